@@ -1,0 +1,88 @@
+"""LLMEngine: prompts in, RequestOutputs out, over one EngineCore.
+
+It tokenizes and checks prompts, expands n > 1 into child requests, and turns the engine
+core's token deltas into text (detokenizer, stop strings) through the OutputProcessor.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, TypeAlias
+
+from transformers import AutoTokenizer
+
+from cluster.default_model import resolve_model
+from cluster.engine_core import EngineCore
+from cluster.output_processor import OutputProcessor, RequestOutputKind
+from cluster.outputs import RequestOutput
+from cluster.request import Request
+from configs import EngineConfig, make_engine_config
+from configs.model_info import ModelInfo, read_model_info
+from runner.platform import device_type
+from runner.sampling_params import SamplingParams
+
+PromptType: TypeAlias = "str | dict[str, Any]"
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        resolve_model(config.model_config)
+        self.config = config
+        self.model_info: ModelInfo = read_model_info(config.model_config, device_type(config.model_config))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_info.tokenizer)
+        eos = set(self.model_info.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.engine_core = EngineCore(config, self.model_info)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_settings(cls, config_file: str | None = None, **overrides: Any) -> LLMEngine:
+        return cls(make_engine_config(config_file, **overrides))
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            token_ids = [int(t) for t in prompt["prompt_token_ids"]]
+            bad = [t for t in token_ids if not 0 <= t < self.model_info.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.model_info.vocab_size})")
+            return prompt.get("prompt"), token_ids
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return self.process_prompt(prompt["prompt"])
+        raise ValueError(f"a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; got {prompt!r}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                    output_kind: RequestOutputKind = "cumulative") -> list[int]:
+        """Queue one prompt (n sequences); returns its prompt token ids. Bad input raises ValueError."""
+        text, token_ids = self.process_prompt(prompt)
+        if not token_ids:
+            raise ValueError("prompt: it is empty (0 tokens)")
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        for index, child_id in enumerate(child_ids):
+            # Children differ only in their seed, so each samples its own sequence.
+            child_params = params if params.n == 1 or params.seed is None else replace(params, seed=params.seed + index)
+            self.engine_core.add_request(Request(child_id, token_ids, child_params, self.eos_token_ids,
+                                                 priority=priority))
+            self.output_processor.add_request(child_id, text, token_ids, child_params,
+                                              parent_id=None if params.n == 1 else request_id, index=index,
+                                              output_kind=output_kind)
+        return token_ids
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        to_abort = [child for rid in request_ids for child in self.output_processor.abort_request(rid)]
+        self.engine_core.abort_requests(to_abort)
+
+    def step(self) -> list[RequestOutput]:
+        processed = self.output_processor.process_outputs(self.engine_core.step())
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,43 @@
+"""What the engine core emits per step, and what users get back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runner.outputs import LogprobsLists
+
+
+@dataclass
+class EngineCoreOutput:
+    """The delta of one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    new_logprobs: LogprobsLists | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # One dict per generated token: token id -> logprob (the sampled token and the top-n).
+    logprobs: list[dict[int, float]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = field(default=None)

@@ -1,0 +1,112 @@
+"""Every engine setting, grouped by the part of the engine that reads it.
+
+Field names are unique across the groups so that a flat `LLM(max_num_seqs=4)` keyword, a flat
+YAML key and a `--max-num-seqs` flag all name the same field. Where vLLM has the setting we use
+vLLM's name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    model: str | None = Field(None, description="HF checkpoint folder; None builds the tiny default")
+    tokenizer: str | None = Field(None, description="tokenizer folder (default: the model folder)")
+    served_model_name: str | None = Field(None, description="model id shown by the API")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens per request")
+    seed: int = Field(0, description="seed for requests that give none")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_memory_gib: float = Field(1.0, gt=0.0, description="KV cache size on CPU")
+    num_gpu_blocks_override: int | None = Field(None, ge=1, description="force the KV block count")
+    enable_prefix_caching: bool = True
+
+
+class ParallelConfig(_Section):
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    distributed_executor_backend: Literal["uni", "ray"] | None = Field(
+        None, description="None: uni for one device, ray for more")
+    placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    pp_layer_partition: list[int] | None = Field(None, description="layers per PP stage")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class SchedulerConfig(_Section):
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    max_num_seqs: int = Field(128, ge=1, description="requests running at once")
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+class CompilationConfig(_Section):
+    enforce_eager: bool = Field(False, description="never capture CUDA graphs")
+    cudagraph_capture_sizes: list[int] | None = None
+
+
+class ServingConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(16.0, gt=0.0)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "parallel_config": ParallelConfig,
+    "scheduler_config": SchedulerConfig,
+    "compilation_config": CompilationConfig,
+    "serving_config": ServingConfig,
+}
+
+
+@dataclass
+class EngineConfig:
+    """All sections together; a plain dataclass so that the vLLM names (`model_config`, ...) stay
+    free of pydantic's reserved `model_config`. Cross-section rules are checked here."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    serving_config: ServingConfig = field(default_factory=ServingConfig)
+
+    def __post_init__(self) -> None:
+        sched, parallel = self.scheduler_config, self.parallel_config
+        max_len = self.model_config.max_model_len
+        if max_len is not None and not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_len}) when enable_chunked_prefill is False: a prompt must fit in one step")
+        if parallel.pp_layer_partition is not None:
+            if len(parallel.pp_layer_partition) != parallel.pipeline_parallel_size:
+                raise ValueError(
+                    f"pp_layer_partition has {len(parallel.pp_layer_partition)} entries; it needs one per "
+                    f"pipeline stage (pipeline_parallel_size={parallel.pipeline_parallel_size})")
+            if min(parallel.pp_layer_partition) < 1:
+                raise ValueError("pp_layer_partition: every stage needs at least 1 layer")
+        if self.serving_config.min_replicas > self.serving_config.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.serving_config.min_replicas}) must be <= max_replicas "
+                f"({self.serving_config.max_replicas})")

@@ -1,0 +1,73 @@
+"""The Executor interface the engine core drives: a step is execute_model, then sample_tokens."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any
+
+from configs import EngineConfig
+from configs.model_info import ModelInfo
+from runner.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
+        self.config = config
+        self.model_info = model_info
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        backend = config.parallel_config.distributed_executor_backend
+        world_size = config.parallel_config.world_size
+        if backend is None:
+            backend = "uni" if world_size == 1 else "ray"
+        if backend == "uni":
+            if world_size != 1:
+                raise ValueError(f"distributed_executor_backend 'uni' runs one device; tensor_parallel_size x "
+                                 f"pipeline_parallel_size is {world_size}: use 'ray'")
+            from executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor
+        raise ValueError(f"distributed_executor_backend {backend!r} is not available in this build")
+
+    @abstractmethod
+    def _init_executor(self) -> None: ...
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call `method` on every worker; results in rank order."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
+        """Start the forward; the future holds None when sample_tokens must follow."""
+
+    @abstractmethod
+    def sample_tokens(self) -> Future[ModelRunnerOutput | None]: ...
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if any worker is dead."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 1
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks every worker can hold: the minimum across workers."""
+        override = self.config.cache_config.num_gpu_blocks_override
+        if override is not None:
+            return override
+        available = self.collective_rpc("determine_available_memory")
+        per_block = self.collective_rpc("kv_cache_bytes_per_block")
+        num_blocks = min(a // b for a, b in zip(available, per_block))
+        if num_blocks < 1:
+            raise ValueError("no memory is left for the KV cache: raise kv_cache_memory_gib (CPU) or "
+                             "gpu_memory_utilization (GPU)")
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))

@@ -1,0 +1,40 @@
+"""The attention backend interface: a paged KV cache layout, a per-step metadata builder and the attention
+op itself (write new K/V through `slot_mapping`, then varlen causal GQA attention over the cache)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from runner.attention.common import CommonAttentionMetadata
+
+
+@dataclass
+class AttentionMetadata:
+    """Base of every backend's per-step metadata. It names the backend that built it, so the attention
+    layers run whatever backend the runner built the step for."""
+
+    backend: AttentionBackend
+    num_actual_tokens: int
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str]
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> AttentionMetadata:
+        """Everything the layers of one step share, computed once per step. The block size is not part of
+        `common`: backends read it from the KV cache (`kv_cache.shape` per `get_kv_cache_shape`)."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query [T, num_heads, head_size], key/value [T, num_kv_heads, head_size] (T >= num_actual_tokens;
+        padding rows are ignored) -> output [T, num_heads * head_size], zero in padding rows."""

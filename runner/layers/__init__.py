@@ -1,0 +1,1 @@
+"""Parallel building blocks of the models: linear, embedding, norm, rotary, activation, attention."""

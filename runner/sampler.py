@@ -1,0 +1,166 @@
+"""Logits -> next tokens: logits processors, greedy or seeded random sampling, and logprobs of the raw logits.
+
+Random rows use the Gumbel-max trick with counter-based noise: the noise of (seed, output position, token) is a hash
+of the three, so a seeded request repeats exactly and its tokens never depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from runner.outputs import LogprobsLists
+from runner.penalties import apply_logits_processors
+from runner.sampling_metadata import SamplingMetadata
+from runner.sampling_params import _GREEDY_EPS
+
+_MASK32 = 0xFFFFFFFF
+# lowbias32 (Chris Wellons' hash-prospector). The second multiplier is stored mod 2**32 as a negative number, so that
+# x * m stays within int64 for every 32-bit x: no overflow is relied upon and the low 32 bits are the same.
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x846CA68B - (1 << 32)
+# Uniforms keep 23 hash bits: (bits + 0.5) * 2**-23 is exact in float32, so u is never 0 or 1.
+_UNIFORM_BITS = 23
+
+
+@dataclass
+class LogprobsTensors:
+    """Column 0 is the sampled token, then the top k (k = max_num_logprobs) by logprob, for every row. Logprobs are
+    log_softmax of the raw logits, before any processing (vLLM's "raw_logprobs")."""
+
+    token_ids: torch.Tensor  # [B, k + 1] int64
+    logprobs: torch.Tensor  # [B, k + 1] float32
+    ranks: torch.Tensor  # [B] int64: 1 + the number of tokens with a strictly higher logprob than the sampled one
+
+    @classmethod
+    def from_logprobs(cls, logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+        assert 0 <= num_logprobs <= logprobs.shape[-1]
+        sampled_logprobs = logprobs.gather(1, sampled[:, None])
+        ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
+        top_logprobs, top_token_ids = logprobs.topk(num_logprobs, dim=-1)
+        return cls(torch.cat([sampled[:, None], top_token_ids], dim=1),
+                   torch.cat([sampled_logprobs, top_logprobs], dim=1), ranks)
+
+    def tolists(self, num_logprobs_per_row: Sequence[int | None]) -> list[LogprobsLists | None]:
+        """One single-position LogprobsLists per row, cut to that row's n + 1 entries; None where n is None."""
+        assert len(num_logprobs_per_row) == self.token_ids.shape[0]
+        token_ids, logprobs, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        return [None if n is None else LogprobsLists([token_ids[row][: n + 1]], [logprobs[row][: n + 1]], [ranks[row]])
+                for row, n in enumerate(num_logprobs_per_row)]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs_tensors: LogprobsTensors | None  # None: no row wants logprobs
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Samples one token per row of logits [B, V] float32, which it modifies in place."""
+        assert logits.dim() == 2 and logits.dtype == torch.float32, "logits must be [num_rows, vocab] float32"
+        assert logits.shape[0] == metadata.temperature.shape[0], "one metadata row per logits row"
+        raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        apply_logits_processors(logits, metadata)
+        sampled = self.sample(logits, metadata)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None)
+        assert metadata.max_num_logprobs is not None
+        return SamplerOutput(sampled, LogprobsTensors.from_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs))
+
+    @staticmethod
+    def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax of the processed logits; random rows are sampled after temperature, top-k,
+        top-p and min-p. Only random rows are copied and get noise."""
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            assert greedy is not None
+            return greedy
+        rows = None if metadata.all_random else torch.nonzero(metadata.temperature >= _GREEDY_EPS).squeeze(1)
+        random_logits = _take_rows(logits, rows)
+        random_logits.div_(_take_rows(metadata.temperature, rows)[:, None])
+        apply_top_k_top_p_min_p(random_logits, _take_rows(metadata.top_k, rows), _take_rows(metadata.top_p, rows),
+                                _take_rows(metadata.min_p, rows))
+        sampled = gumbel_max_sample(random_logits, _take_rows(metadata.seeds, rows),
+                                    _take_rows(metadata.output_positions, rows))
+        if rows is None:
+            return sampled
+        assert greedy is not None
+        return greedy.index_copy_(0, rows, sampled)
+
+
+_OptionalTensor = TypeVar("_OptionalTensor", torch.Tensor, None)
+
+
+def _take_rows(t: _OptionalTensor, rows: torch.Tensor | None) -> _OptionalTensor:
+    """The random rows of a per-row tensor: all of it when rows is None (every row is random)."""
+    return t if t is None or rows is None else t[rows]
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                            min_p: torch.Tensor | None) -> torch.Tensor:
+    """Sets to -inf, in place, what top-k, then top-p (on the top-k survivors), then min-p filter out; None skips a
+    filter. Each filter is a per-row logit threshold (ties at it are kept), so only one masking pass is needed."""
+    vocab_size = logits.shape[-1]
+    thresholds: list[torch.Tensor] = []
+    # k = 0 means off, and so does any k >= vocab_size.
+    top_k_off = None if top_k is None else (top_k <= 0) | (top_k >= vocab_size)
+    if top_p is not None:
+        sorted_logits = logits.sort(dim=-1).values  # ascending; one sort serves top-k and top-p
+        if top_k is not None:
+            assert top_k_off is not None
+            kth_largest = sorted_logits.gather(1, (vocab_size - top_k.masked_fill(top_k_off, vocab_size))[:, None])
+            sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+        # Drop the longest low-probability prefix holding at most 1 - p of the mass: what stays is the smallest set
+        # of most likely tokens with mass >= p. The most likely token always stays.
+        cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+        num_dropped = (cumulative <= 1 - top_p[:, None]).sum(dim=-1).clamp_(max=vocab_size - 1)
+        thresholds.append(sorted_logits.gather(1, num_dropped[:, None]))
+    elif top_k is not None:
+        assert top_k_off is not None
+        # Without top-p a partial sort of the largest k suffices.
+        top_k = top_k.masked_fill(top_k_off, 1)
+        top_values = logits.topk(int(top_k.max()), dim=-1).values
+        thresholds.append(top_values.gather(1, (top_k - 1)[:, None]).masked_fill_(top_k_off[:, None], float("-inf")))
+    if min_p is not None:
+        # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p); log(0) = -inf keeps everything.
+        thresholds.append(logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None])
+    if thresholds:
+        threshold = thresholds[0]
+        for other in thresholds[1:]:
+            threshold = torch.maximum(threshold, other)
+        logits.masked_fill_(logits < threshold, float("-inf"))
+    return logits
+
+
+def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """argmax(logits + G) with G = -log(-log(u)) ~ Gumbel(0, 1) is a draw from softmax(logits). Consumes logits."""
+    log_exponential = random_uniform(seeds, positions, logits.shape[-1]).log_().neg_().log_()
+    return logits.sub_(log_exponential).argmax(dim=-1)
+
+
+def random_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, vocab_size] float32 in (0, 1); entry (r, t) is a pure function of (seeds[r], positions[r], t)."""
+    assert seeds.dtype == torch.int64 and positions.dtype == torch.int64
+    key = lowbias32_(seeds & _MASK32)
+    key = lowbias32_(key.bitwise_xor_((seeds >> 32) & _MASK32))
+    key = lowbias32_(key.bitwise_xor_(positions & _MASK32))
+    bits = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device).bitwise_xor(key[:, None])
+    bits = lowbias32_(bits).bitwise_right_shift_(32 - _UNIFORM_BITS)
+    return bits.to(torch.float32).add_(0.5).mul_(2.0**-_UNIFORM_BITS)
+
+
+def lowbias32_(x: torch.Tensor) -> torch.Tensor:
+    """The lowbias32 integer hash, in place, of int64 values in [0, 2**32)."""
+    assert x.dtype == torch.int64
+    scratch = torch.empty_like(x)
+    _xorshift_(x, 16, scratch).mul_(_MUL1).bitwise_and_(_MASK32)
+    _xorshift_(x, 15, scratch).mul_(_MUL2).bitwise_and_(_MASK32)
+    return _xorshift_(x, 16, scratch)
+
+
+def _xorshift_(x: torch.Tensor, shift: int, scratch: torch.Tensor) -> torch.Tensor:
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=scratch))

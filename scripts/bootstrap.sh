@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv from pyproject.toml (once; again when pyproject.toml changes). CPU installs pin
+# torch==2.13.0 so no dependency can pull a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  python3 -m venv .venv
+  .venv/bin/pip install --quiet --upgrade pip
+  torch_pin="torch==2.13.0"
+  if command -v nvidia-smi >/dev/null 2>&1; then torch_pin="torch"; fi
+  .venv/bin/pip install --quiet "$torch_pin"
+  .venv/bin/pip install --quiet -e ".[dev]" "$torch_pin"
+  rm -f .venv/.installed-*
+  touch "$stamp"
+fi

@@ -1,0 +1,49 @@
+"""The correctness oracle (DESIGN.md section 7): transformers' greedy generate on the same
+checkpoint, and vLLM's check_logprobs_close rule for comparing against it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+TOP_K = 5
+
+
+@torch.inference_mode()
+def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Per prompt: the greedy tokens and, per position, the top-5 {token: logprob}."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    results = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0, eos_token_id=None)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        tops = []
+        for logits in out.logits:
+            logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+            values, ids = logprobs.topk(TOP_K)
+            tops.append(dict(zip(ids.tolist(), values.tolist())))
+        results.append((tokens, tops))
+    return results
+
+
+def check_logprobs_close(reference: list[tuple[list[int], list[dict[int, float]]]],
+                         ours: list[tuple[list[int], list[dict[int, float]]]], name: str) -> int:
+    """Token-exact until a divergence; where they diverge each side's token must be in the other's
+    top-5, and the comparison of that sequence stops. Returns how many sequences diverged."""
+    assert len(reference) == len(ours)
+    diverged = 0
+    for i, ((ref_tokens, ref_top), (our_tokens, our_top)) in enumerate(zip(reference, ours)):
+        assert len(ref_tokens) == len(our_tokens), f"{name} prompt {i}: {len(ref_tokens)} != {len(our_tokens)} tokens"
+        for pos, (ref_token, our_token) in enumerate(zip(ref_tokens, our_tokens)):
+            if ref_token == our_token:
+                continue
+            assert ref_token in our_top[pos], (
+                f"{name} prompt {i} position {pos}: transformers chose {ref_token}, not in raylm's top-5 {our_top[pos]}")
+            assert our_token in ref_top[pos], (
+                f"{name} prompt {i} position {pos}: raylm chose {our_token}, not in transformers' top-5 {ref_top[pos]}")
+            diverged += 1
+            break
+    return diverged

@@ -1,0 +1,64 @@
+"""Settings load from YAML and keywords; an unknown key or an impossible value names the field."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from configs import make_engine_config
+from runner.sampling_params import SamplingParams
+
+
+def test_yaml_then_overrides(tmp_path: Path) -> None:
+    config = make_engine_config("configs/tiny.yaml", max_num_seqs=3)
+    assert config.scheduler_config.max_num_seqs == 3
+    assert config.cache_config.block_size == 16
+    assert config.parallel_config.distributed_executor_backend == "uni"
+
+    custom = tmp_path / "custom.yaml"
+    custom.write_text("block_size: 32\ntensor_parallel_size: 2\n")
+    config = make_engine_config(custom, block_size=8)
+    assert config.cache_config.block_size == 8
+    assert config.parallel_config.world_size == 2
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(block_size="big"), "block_size"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(no_such_setting=1), "unknown setting(s) ['no_such_setting']"),
+    (dict(distributed_executor_backend="mpi"), "distributed_executor_backend"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=128), "max_num_batched_tokens"),
+    (dict(pipeline_parallel_size=2, pp_layer_partition=[1, 1, 1]), "pp_layer_partition"),
+    (dict(min_replicas=3, max_replicas=2), "min_replicas"),
+])
+def test_bad_settings_name_the_field(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_engine_config(**settings)
+
+
+def test_bad_yaml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        make_engine_config(bad)
+    with pytest.raises(FileNotFoundError):
+        make_engine_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("settings, field", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(stop=[""]), "stop"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_bad_sampling_params_name_the_field(settings: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        SamplingParams(**settings)

@@ -1,0 +1,96 @@
+"""Worker: the device owner. Executors call these methods on every rank, in the same order."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from configs import EngineConfig
+from configs.model_info import ModelInfo
+from runner.model_runner import ModelRunner
+from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
+from runner.parallel_state import get_pp_group, init_model_parallel
+from runner.platform import device_type
+
+_GIB = 1 << 30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None, num_threads: int | None = None) -> None:
+        self.config = config
+        self.model_info = model_info
+        self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.num_threads = num_threads
+        self.device: torch.device | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        kind = device_type(self.config.model_config)
+        if kind == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            if self.num_threads:
+                torch.set_num_threads(self.num_threads)
+        parallel = self.config.parallel_config
+        backend = "nccl" if kind == "cuda" else "gloo"
+        if parallel.world_size > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group(backend, init_method=self.distributed_init_method,
+                                                 rank=self.rank, world_size=parallel.world_size)
+        init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, backend)
+        torch.manual_seed(self.config.model_config.seed)
+        self.model_runner = ModelRunner(self.config, self.model_info, self.device)
+
+    def load_model(self) -> None:
+        self._runner().load_model()
+
+    def determine_available_memory(self) -> int:
+        """Bytes this worker can give to the KV cache."""
+        runner = self._runner()
+        assert self.device is not None
+        if self.device.type == "cpu":
+            return int(self.config.cache_config.kv_cache_memory_gib * _GIB)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        runner.profile_run()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        budget = total * self.config.cache_config.gpu_memory_utilization - used_by_others
+        return max(0, int(budget - torch.cuda.max_memory_allocated()))
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self._runner().kv_cache_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._runner().initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run this rank's stage: receive from the previous stage, forward, send to the next."""
+        runner = self._runner()
+        pp = get_pp_group()
+        intermediate: IntermediateTensors | None = None
+        if not pp.is_first_rank and scheduler_output.total_num_scheduled_tokens > 0:
+            intermediate = pp.recv_tensor_dict(scheduler_output.total_num_scheduled_tokens)
+        output = runner.execute_model(scheduler_output, intermediate)
+        if isinstance(output, IntermediateTensors):
+            pp.send_tensor_dict(output)
+            return None
+        return output
+
+    def sample_tokens(self) -> ModelRunnerOutput | None:
+        return self._runner().sample_tokens()
+
+    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, method)(*args, **kwargs)
+
+    def check_health(self) -> bool:
+        return self.model_runner is not None
+
+    def _runner(self) -> ModelRunner:
+        assert self.model_runner is not None, "init_device first"
+        return self.model_runner
