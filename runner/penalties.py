@@ -54,22 +54,30 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
                     presence_penalties: torch.Tensor, frequency_penalties: torch.Tensor,
                     repetition_penalties: torch.Tensor) -> torch.Tensor:
     """Repetition (divide positive, multiply negative logits of tokens in the prompt or output), then the OpenAI
-    frequency (times the count in the output) and presence (once if in the output) penalties, subtracted."""
+    frequency (times the count in the output) and presence (once if in the output) penalties, subtracted.
+
+    Works on the logits of the prompt and output tokens only ([B, P + O], gathered and scattered back), not [B, V]:
+    a token listed twice gets the same value computed twice, so the scatter is deterministic."""
     num_rows, vocab_size = logits.shape
     assert prompt_token_ids.shape[0] == num_rows and output_token_ids.shape[0] == num_rows
-    # One extra bin takes the padding (id vocab_size) and is dropped.
+    # One extra bin takes the padding (id vocab_size).
     output_counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
     output_counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=logits.dtype))
-    output_counts = output_counts[:, :vocab_size]
-    in_output = output_counts > 0
-    in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
-    in_prompt = in_prompt.scatter_(1, prompt_token_ids, True)[:, :vocab_size]
 
-    scale = torch.where(in_prompt | in_output, repetition_penalties[:, None], 1.0)
-    torch.where(logits > 0, logits / scale, logits * scale, out=logits)
-    logits -= frequency_penalties[:, None] * output_counts
-    logits -= presence_penalties[:, None] * in_output
-    return logits
+    token_ids = torch.cat([prompt_token_ids, output_token_ids], dim=1)
+    is_token = token_ids < vocab_size
+    has_token = is_token.any(dim=1, keepdim=True)
+    # Padding is pointed at the row's first real token, so it writes back exactly what that token's entry does. A row
+    # without tokens points it at column 0 with no repetition penalty; its frequency and presence terms are 0 there.
+    first_token = token_ids.gather(1, is_token.to(torch.uint8).argmax(dim=1, keepdim=True))
+    token_ids = torch.where(is_token, token_ids, torch.where(has_token, first_token, 0))
+
+    values = logits.gather(1, token_ids)
+    repetition = torch.where(has_token, repetition_penalties[:, None], 1.0)
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    counts = output_counts.gather(1, token_ids)
+    values -= frequency_penalties[:, None] * counts + presence_penalties[:, None] * (counts > 0)
+    return logits.scatter_(1, token_ids, values)
 
 
 def _index(rows: list[int], token_ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

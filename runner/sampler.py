@@ -106,25 +106,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, to
     filter. Each filter is a per-row logit threshold (ties at it are kept), so only one masking pass is needed."""
     vocab_size = logits.shape[-1]
     thresholds: list[torch.Tensor] = []
-    # k = 0 means off, and so does any k >= vocab_size.
-    top_k_off = None if top_k is None else (top_k <= 0) | (top_k >= vocab_size)
+    if top_k is not None:
+        top_k = top_k.masked_fill((top_k <= 0) | (top_k > vocab_size), vocab_size)  # k = vocab_size: off
     if top_p is not None:
-        sorted_logits = logits.sort(dim=-1).values  # ascending; one sort serves top-k and top-p
-        if top_k is not None:
-            assert top_k_off is not None
-            kth_largest = sorted_logits.gather(1, (vocab_size - top_k.masked_fill(top_k_off, vocab_size))[:, None])
-            sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-        # Drop the longest low-probability prefix holding at most 1 - p of the mass: what stays is the smallest set
-        # of most likely tokens with mass >= p. The most likely token always stays.
-        cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
-        num_dropped = (cumulative <= 1 - top_p[:, None]).sum(dim=-1).clamp_(max=vocab_size - 1)
-        thresholds.append(sorted_logits.gather(1, num_dropped[:, None]))
+        thresholds.append(_top_p_threshold(logits, top_k, top_p))
     elif top_k is not None:
-        assert top_k_off is not None
-        # Without top-p a partial sort of the largest k suffices.
-        top_k = top_k.masked_fill(top_k_off, 1)
-        top_values = logits.topk(int(top_k.max()), dim=-1).values
-        thresholds.append(top_values.gather(1, (top_k - 1)[:, None]).masked_fill_(top_k_off[:, None], float("-inf")))
+        thresholds.append(_top_k_threshold(logits, top_k))
     if min_p is not None:
         # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p); log(0) = -inf keeps everything.
         thresholds.append(logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None])
@@ -134,6 +121,33 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, to
             threshold = torch.maximum(threshold, other)
         logits.masked_fill_(logits < threshold, float("-inf"))
     return logits
+
+
+def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """[R, 1]: the k-th largest logit, -inf where top-k is off."""
+    off = top_k >= logits.shape[-1]
+    top_k = top_k.masked_fill(off, 1)
+    top_values = logits.topk(int(top_k.max()), dim=-1).values
+    return top_values.gather(1, (top_k - 1)[:, None]).masked_fill_(off[:, None], float("-inf"))
+
+
+def _top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, 1]: the smallest logit of the smallest set of most likely top-k survivors whose mass is >= p."""
+    vocab_size = logits.shape[-1]
+    max_k = vocab_size if top_k is None else int(top_k.max())
+    # Only the largest max_k logits matter: when every row has a top-k that is a partial sort, not a full one.
+    if max_k < vocab_size:
+        sorted_logits = logits.topk(max_k, dim=-1).values
+    else:
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+    probs = (sorted_logits - sorted_logits[:, :1]).exp_()
+    if top_k is not None:
+        probs.masked_fill_(torch.arange(max_k, device=logits.device) >= top_k[:, None], 0.0)
+    # Unnormalised and summed in order from the top, so a row gets bit-identical sums in either sort: the result does
+    # not depend on the other rows of the batch.
+    cumulative = probs.cumsum_(dim=-1)
+    num_kept = (cumulative < top_p[:, None] * cumulative[:, -1:]).sum(dim=-1, keepdim=True) + 1
+    return sorted_logits.gather(1, num_kept - 1)
 
 
 def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

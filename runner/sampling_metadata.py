@@ -46,6 +46,7 @@ def make_padded_token_ids(token_ids: Sequence[Sequence[int]], pad_id: int,
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
     max_len = int(lengths.max()) if len(token_ids) else 0
     padded = torch.full((len(token_ids), max_len), pad_id, dtype=torch.int64)
-    padded[torch.arange(max_len) < lengths[:, None]] = torch.tensor([t for ids in token_ids for t in ids],
-                                                                     dtype=torch.int64)
+    if max_len:
+        padded.masked_scatter_(torch.arange(max_len) < lengths[:, None],
+                               torch.cat([torch.as_tensor(ids, dtype=torch.int64) for ids in token_ids]))
     return padded.to(device) if device is not None else padded

@@ -173,11 +173,11 @@ def make_tiny_model(
     out: Path | str | None = None,
     *,
     arch: str = "llama",
-    hidden_size: int = 64,
+    hidden_size: int = 128,
     num_layers: int = 2,
     num_heads: int = 4,
     num_kv_heads: int = 2,
-    intermediate_size: int = 128,
+    intermediate_size: int = 384,
     vocab_size: int = 2048,
     max_position_embeddings: int = 1024,
     seed: int = 0,
@@ -281,11 +281,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: models/tiny-llama)")
     p.add_argument("--arch", choices=ARCHS, default="llama")
-    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--intermediate-size", type=int, default=128)
+    p.add_argument("--intermediate-size", type=int, default=384)
     p.add_argument("--vocab-size", type=int, default=2048, help="target BPE vocab size")
     p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)

@@ -15,6 +15,11 @@ from runner.sampling_params import SamplingParams
 EOS = 2
 
 
+@pytest.fixture(autouse=True)
+def _seed_torch() -> None:
+    torch.manual_seed(0)
+
+
 def make_metadata(params: list[SamplingParams], vocab_size: int, prompts: list[list[int]] | None = None,
                   outputs: list[list[int]] | None = None, positions: list[int] | None = None) -> SamplingMetadata:
     """What a ModelRunner would build for these requests (prompts/outputs default to empty)."""
@@ -163,6 +168,15 @@ def test_top_p_applies_to_the_top_k_survivors() -> None:
     assert kept(HAND_LOGITS, top_k=[2, 0], top_p=[0.6, 0.6]) == [{1}, {1, 4}]
 
 
+def test_top_p_partial_and_full_sort_agree() -> None:
+    logits = torch.randn(6, 200) * 2
+    top_k, top_p = [5, 40, 150, 1, 17, 90], [0.5, 0.9, 0.95, 0.3, 1.0, 0.8]
+    partial = kept(logits, top_k=top_k, top_p=top_p)  # every row has a top-k: partial sort
+    full = kept(torch.cat([logits, logits[:1]]), top_k=top_k + [0], top_p=top_p + [0.9])  # one row without: full sort
+    assert partial == full[:6]
+    assert all(len(row) <= k for row, k in zip(partial, top_k, strict=True))
+
+
 def test_min_p_masks_tokens_below_min_p_times_the_top_probability() -> None:
     assert kept(HAND_LOGITS, min_p=[0.2, 0.0]) == [{1, 4, 3}, {0, 1, 2, 3, 4}]
     assert kept(HAND_LOGITS / 0.5, min_p=[0.2, 0.5]) == [{1, 4}, {1}]  # on the tempered probabilities
@@ -194,14 +208,33 @@ def test_logits_processors_match_a_direct_computation() -> None:
               SamplingParams(min_tokens=3, stop_token_ids=[5, 7], logit_bias={0: 3.0, 9: -1.5}, seed=2),
               SamplingParams(min_tokens=2, repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=2.0,
                              logit_bias={11: 0.25}, seed=3),
-              SamplingParams(seed=4)]
-    prompts = [[1, 3, 3, 8], [4, 4], [6], [0, 1, 10, 11], []]
-    outputs = [[3, 9, 9], [4, 6, 6, 6, 11], [7, 7], [10, 10, 5], [1, 2]]  # row 3 has reached min_tokens
-    logits = torch.randn(5, vocab_size) * 3
+              SamplingParams(seed=4), SamplingParams(repetition_penalty=2.0, presence_penalty=1.0, seed=5)]
+    prompts = [[1, 3, 3, 8], [4, 4], [6], [0, 1, 10, 11], [], []]
+    outputs = [[3, 9, 9], [4, 6, 6, 6, 11], [7, 7], [10, 10, 5], [1, 2], []]  # row 3 has reached min_tokens
+    logits = torch.randn(6, vocab_size) * 3
     metadata = make_metadata(params, vocab_size, prompts, outputs)
     processed = apply_logits_processors(logits.clone(), metadata)
     torch.testing.assert_close(processed, reference_processed_logits(logits, params, prompts, outputs))
     assert processed[2, EOS] == processed[2, 5] == processed[2, 7] == -math.inf and processed[3, EOS].isfinite()
+
+
+def test_random_penalties_match_a_direct_computation() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab_size, num_rows = 30, 16
+
+    def draw(low: float, high: float) -> float:
+        return low + (high - low) * torch.rand((), generator=gen).item()
+
+    def token_ids(max_len: int) -> list[int]:
+        length = int(torch.randint(0, max_len, (), generator=gen).item())
+        return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
+
+    params = [SamplingParams(presence_penalty=draw(-2, 2), frequency_penalty=draw(-2, 2),
+                             repetition_penalty=draw(0.5, 2), seed=row) for row in range(num_rows)]
+    prompts, outputs = [token_ids(12) for _ in params], [token_ids(20) for _ in params]
+    logits = torch.randn(num_rows, vocab_size, generator=gen) * 4
+    processed = apply_logits_processors(logits.clone(), make_metadata(params, vocab_size, prompts, outputs))
+    torch.testing.assert_close(processed, reference_processed_logits(logits, params, prompts, outputs))
 
 
 def test_penalties_steer_greedy_rows() -> None:
