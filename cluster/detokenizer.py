@@ -34,6 +34,9 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # The Rust tokenizer behind a fast tokenizer decodes the same text without transformers' per-call
+        # Python overhead, which is most of the detokenizer's cost per token.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -92,6 +95,8 @@ class IncrementalDetokenizer:
         return self._output_text[start:length]
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(
             token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )

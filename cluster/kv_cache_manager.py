@@ -34,12 +34,23 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def check_fits(self, request: Request) -> None:
+        """Raises ValueError if the request, alone in the pool, could not finish: every token but the last sampled
+        one needs a KV slot."""
+        num_blocks_needed = self.blocks_needed(request.num_prompt_tokens + request.max_tokens - 1)
+        if num_blocks_needed > self.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} can never fit in the KV cache: {request.num_prompt_tokens} prompt "
+                f"tokens + up to {request.max_tokens} generated need {num_blocks_needed} blocks of {self.block_size} "
+                f"tokens, the pool has {self.num_blocks}; lower max_tokens or give the KV cache more memory")
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of full blocks. At least the last token is always left to compute
         so that the step that finishes the prefill produces logits. Nothing is touched here."""
         assert request.num_computed_tokens == 0 and request.request_id not in self.req_to_blocks
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need the logits of every prompt position
+        if not self.enable_caching or (request.sampling_params.prompt_logprobs is not None
+                                       and request.num_output_tokens == 0):
+            return [], 0  # prompt logprobs need the logits of every prompt position (until they are reported)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_hit_blocks)
         hits: list[KVCacheBlock] = []

@@ -60,16 +60,26 @@ class LLMEngine:
         text, token_ids = self.process_prompt(prompt)
         if not token_ids:
             raise ValueError("prompt: it is empty (0 tokens)")
+        self._check_request(params, priority)
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         for index, child_id in enumerate(child_ids):
-            # Children differ only in their seed, so each samples its own sequence.
-            child_params = params if params.n == 1 or params.seed is None else replace(params, seed=params.seed + index)
+            child_params = params if params.n == 1 else _child_params(params, index)
             self.engine_core.add_request(Request(child_id, token_ids, child_params, self.eos_token_ids,
                                                  priority=priority))
             self.output_processor.add_request(child_id, text, token_ids, child_params,
                                               parent_id=None if params.n == 1 else request_id, index=index,
                                               output_kind=output_kind)
         return token_ids
+
+    def _check_request(self, params: SamplingParams, priority: int) -> None:
+        vocab_size = self.model_info.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"SamplingParams.{name} must be <= the vocabulary size ({vocab_size}), got {value}")
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} is given but scheduling_policy is "
+                             f"{self.config.scheduler_config.scheduling_policy!r}: set scheduling_policy='priority'")
 
     def abort_request(self, request_ids: list[str]) -> None:
         to_abort = [child for rid in request_ids for child in self.output_processor.abort_request(rid)]
@@ -86,3 +96,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Children differ in their seed, so each samples its own sequence. Only the first reports the prompt
+    logprobs; the others skip recomputing the prompt and share its KV blocks through the prefix cache."""
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, seed=seed, prompt_logprobs=params.prompt_logprobs if index == 0 else None)

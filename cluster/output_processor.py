@@ -41,6 +41,8 @@ class ParentRequest:
     # Latest cumulative completion per index, so that every output can list all n.
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    # Set when they arrive (from one child); under "delta" cleared once sent.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -125,10 +127,12 @@ class OutputProcessor:
             state = self.request_states.get(engine_core_output.request_id)
             if state is None:
                 continue  # aborted while the step ran
+            parent = state.parent
+            if engine_core_output.new_prompt_logprobs is not None:
+                parent.prompt_logprobs = [None, *_logprobs_dicts(engine_core_output.new_prompt_logprobs)]
             completion = self._update_request(state, engine_core_output, processed.reqs_to_abort)
             if completion is None:
                 continue
-            parent = state.parent
             if parent.output_kind == "cumulative":
                 parent.completions[state.index] = completion
             parent.num_cached_tokens = max(parent.num_cached_tokens, engine_core_output.num_cached_tokens)
@@ -138,10 +142,12 @@ class OutputProcessor:
                 self._finish_child(state)
 
         for parent, completions in changed.values():
+            prompt_logprobs = parent.prompt_logprobs
             if parent.output_kind == "cumulative":
                 outputs = [parent.completions[i] for i in sorted(parent.completions)]
             else:
                 outputs = sorted(completions, key=lambda c: c.index)
+                parent.prompt_logprobs = None
             processed.request_outputs.append(
                 RequestOutput(
                     request_id=parent.request_id,
@@ -150,6 +156,7 @@ class OutputProcessor:
                     outputs=outputs,
                     finished=parent.finished,
                     num_cached_tokens=parent.num_cached_tokens,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return processed
@@ -202,8 +209,9 @@ class OutputProcessor:
             self.parent_requests.pop(parent.request_id, None)
 
 
-def _logprobs_dicts(logprobs: LogprobsLists | None, num_tokens: int) -> list[dict[int, float]]:
-    """One {token id: logprob} per position, the sampled token first, for the first num_tokens positions."""
+def _logprobs_dicts(logprobs: LogprobsLists | None, num_tokens: int | None = None) -> list[dict[int, float]]:
+    """One {token id: logprob} per position, the sampled token first, for the first num_tokens positions (all when
+    None)."""
     if logprobs is None:
         return []
     rows = zip(logprobs.token_ids[:num_tokens], logprobs.logprobs[:num_tokens], strict=True)

@@ -1,7 +1,7 @@
 """What the engine core emits per step, and what users get back."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from runner.outputs import LogprobsLists
 
@@ -16,6 +16,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     new_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
+    # The whole prompt's, with the first output token: one position per prompt token after the first.
+    new_prompt_logprobs: LogprobsLists | None = None
 
 
 @dataclass
@@ -40,4 +42,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = field(default=None)
+    # None for the first prompt token (nothing precedes it), then {token id: logprob} per prompt token: the actual
+    # token and the top-n.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

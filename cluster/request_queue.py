@@ -1,4 +1,5 @@
-"""The waiting queue, in the order the scheduling policy admits requests."""
+"""The scheduling policy: the order in which waiting requests are admitted, and which running request is
+preempted first."""
 from __future__ import annotations
 
 import heapq
@@ -81,3 +82,11 @@ def create_request_queue(policy: str) -> RequestQueue:
     if policy == "priority":
         return PriorityRequestQueue()
     raise ValueError(f"unknown scheduling_policy {policy!r}: expected 'fcfs' or 'priority'")
+
+
+def preemption_victim(running: list[Request], policy: str) -> int:
+    """Index in `running` of the request to preempt: the last admitted (fcfs), or the least urgent, i.e. the one
+    with the largest (priority, arrival_time) (priority)."""
+    if policy == "fcfs":
+        return len(running) - 1
+    return max(range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time))

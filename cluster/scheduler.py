@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from cluster.kv_cache_manager import KVCacheManager
 from cluster.outputs import EngineCoreOutput
 from cluster.request import Request, RequestStatus
-from cluster.request_queue import create_request_queue
+from cluster.request_queue import create_request_queue, preemption_victim
+from cluster.stop_checker import check_stop
 from configs.engine_config import CacheConfig, SchedulerConfig
 from runner.outputs import CachedRequestData, LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -66,15 +67,7 @@ class Scheduler:
         room = self.max_model_len - prompt_len
         max_tokens = request.sampling_params.max_tokens
         request.max_tokens = room if max_tokens is None else min(max_tokens, room)
-        # Every token but the last sampled one needs a KV slot; alone in the pool it must fit,
-        # else it could never finish.
-        num_blocks_needed = self.kv_cache_manager.blocks_needed(prompt_len + request.max_tokens - 1)
-        if num_blocks_needed > self.kv_cache_manager.num_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} can never fit in the KV cache: {prompt_len} prompt tokens + up "
-                f"to {request.max_tokens} generated need {num_blocks_needed} blocks of "
-                f"{self.kv_cache_manager.block_size} tokens, the pool has {self.kv_cache_manager.num_blocks}; "
-                f"lower max_tokens or give the KV cache more memory")
+        self.kv_cache_manager.check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -120,7 +113,7 @@ class Scheduler:
                 req_index += 1
                 continue
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-                victim_index = self._pick_victim()
+                victim_index = preemption_victim(self.running, self.policy)
                 victim = self.running.pop(victim_index)
                 if victim_index < req_index:
                     req_index -= 1
@@ -206,7 +199,7 @@ class Scheduler:
             for token_id in sampled:
                 request.append_output_token_id(token_id)
                 new_token_ids.append(token_id)
-                if self._check_stop(request):
+                if check_stop(request):
                     break
             logprobs = model_runner_output.logprobs.get(req_id)
             if logprobs is not None and len(new_token_ids) < len(sampled):
@@ -216,7 +209,8 @@ class Scheduler:
                 self._free_request(request)
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids, request.get_finished_reason(), request.stop_reason, logprobs,
-                max(request.num_cached_tokens, 0)))
+                max(request.num_cached_tokens, 0),
+                new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req_id)))
         if any_finished:
             self.running = [request for request in self.running if not request.is_finished]
         return outputs
@@ -256,14 +250,6 @@ class Scheduler:
         num_new_tokens = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
         return min(num_new_tokens, budget)
 
-    def _pick_victim(self) -> int:
-        """Index in `running` of the request to preempt: the last admitted (fcfs), or the one with
-        the largest (priority, arrival_time), i.e. the least urgent (priority)."""
-        if self.policy == "fcfs":
-            return len(self.running) - 1
-        return max(range(len(self.running)),
-                   key=lambda i: (self.running[i].priority, self.running[i].arrival_time))
-
     def _preempt(self, request: Request) -> None:
         """Free the blocks and requeue; the tokens so far are kept and recomputed on resumption."""
         self.kv_cache_manager.free(request)
@@ -297,23 +283,6 @@ class Scheduler:
             data.new_token_ids.append(
                 request.all_token_ids[request.num_sent_tokens:] if self.send_token_ids else [])
         return data
-
-    def _check_stop(self, request: Request) -> bool:
-        """Stop tokens count only after min_tokens outputs; the length cap always does."""
-        params = request.sampling_params
-        token_id = request.output_token_ids[-1]
-        if request.num_output_tokens > params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-        if request.num_output_tokens >= request.max_tokens:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def _free_request(self, request: Request) -> None:
         """A finished request leaves the engine core: blocks back to the pool, the runner told."""

@@ -2,7 +2,7 @@
 
 `SchedulerOutput` carries diffs only: requests new to the device, and for requests it already
 holds, the new KV blocks and the number of tokens to compute. `ModelRunnerOutput` carries back
-what was sampled.
+what was sampled (and the logprobs asked for).
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsLists:
-    """Per sampled position: the sampled token first, then the top-n, each with its logprob and rank."""
+    """Per position: the sampled (or, for prompt logprobs, the actual next prompt) token first, then the top-n,
+    each with its logprob; and that first token's rank."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
@@ -64,6 +65,9 @@ class ModelRunnerOutput:
     # One list per request in req_ids: [] for a request that did not sample (partial prefill).
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Whole prompts only, in the step that samples a request's first token: one position per prompt token after
+    # the first.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

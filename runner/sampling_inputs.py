@@ -25,7 +25,9 @@ def make_sampling_metadata(batch: InputBatch, rows: np.ndarray, eos_token_ids: t
 
     temperature = take(batch.temperature)
     greedy = temperature < _GREEDY_EPS
-    all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+    # No row samples in a step of partial prefills only: that counts as all greedy, never as both.
+    all_greedy = bool(greedy.all())
+    all_random = not all_greedy and not bool(greedy.any())
     top_k, top_p, min_p = take(batch.top_k), take(batch.top_p), take(batch.min_p)
     output_positions_np = batch.num_tokens[rows].astype(np.int64) - batch.num_prompt_tokens[rows]
     presence, frequency = take(batch.presence_penalties), take(batch.frequency_penalties)

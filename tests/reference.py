@@ -40,10 +40,11 @@ def check_logprobs_close(reference: list[tuple[list[int], list[dict[int, float]]
         for pos, (ref_token, our_token) in enumerate(zip(ref_tokens, our_tokens)):
             if ref_token == our_token:
                 continue
+            where = f"{name} prompt {i} position {pos}"
             assert ref_token in our_top[pos], (
-                f"{name} prompt {i} position {pos}: transformers chose {ref_token}, not in raylm's top-5 {our_top[pos]}")
+                f"{where}: transformers chose {ref_token}, not in raylm's top-5 {our_top[pos]}")
             assert our_token in ref_top[pos], (
-                f"{name} prompt {i} position {pos}: raylm chose {our_token}, not in transformers' top-5 {ref_top[pos]}")
+                f"{where}: raylm chose {our_token}, not in transformers' top-5 {ref_top[pos]}")
             diverged += 1
             break
     return diverged

@@ -231,3 +231,21 @@ def test_invalid_utf8_is_emitted_after_a_bounded_wait(tokenizer: PreTrainedToken
     detokenizer.update([lead_byte] * 30)
     assert set(detokenizer.output_text) == {"\ufffd"}
     assert detokenizer.num_output_tokens - detokenizer.prefix_offset <= 18
+
+
+@pytest.mark.parametrize("output_kind", ["cumulative", "delta"])
+def test_output_processor_prompt_logprobs(tokenizer: PreTrainedTokenizerFast, output_kind: str) -> None:
+    processor = OutputProcessor(tokenizer)
+    prompt_ids = _encode(tokenizer, "hello world")
+    for index in range(2):
+        processor.add_request(f"{index}_p", None, prompt_ids, SamplingParams(n=2, prompt_logprobs=1), parent_id="p",
+                              index=index, output_kind=output_kind)
+    scored = prompt_ids[1:]
+    prompt_logprobs = LogprobsLists([[t, 0] for t in scored], [[-1.0, -0.5] for _ in scored], [2] * len(scored))
+    expected = [None, *({t: -1.0, 0: -0.5} for t in scored)]
+    step = processor.process_outputs([EngineCoreOutput("1_p", [5]),
+                                      EngineCoreOutput("0_p", [6], new_prompt_logprobs=prompt_logprobs)])
+    assert _only(step.request_outputs).prompt_logprobs == expected
+    step = processor.process_outputs([EngineCoreOutput("0_p", [7], "length"), EngineCoreOutput("1_p", [8], "length")])
+    # Cumulative outputs repeat them; deltas carry them once.
+    assert _only(step.request_outputs).prompt_logprobs == (expected if output_kind == "cumulative" else None)

@@ -95,6 +95,10 @@ def test_no_hits_when_disabled_or_prompt_logprobs() -> None:
     manager = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
     admit(manager, make_request("a", prompt))
     assert manager.get_computed_blocks(make_request("b", prompt, prompt_logprobs=1)) == ([], 0)
+    # Resumed after preemption with outputs: its prompt logprobs were reported, so hits are fine again.
+    resumed = make_request("c", prompt, prompt_logprobs=1)
+    resumed.append_output_token_id(5)
+    assert manager.get_computed_blocks(resumed)[1] == 8
 
 
 def test_freed_blocks_stay_cached_and_are_reused() -> None:
