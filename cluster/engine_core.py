@@ -1,11 +1,15 @@
 """EngineCore: the scheduler and the executor, one step at a time.
 
 A step schedules, starts the forward (execute_model), then samples (sample_tokens) and feeds the
-sampled tokens back to the scheduler. Requests arrive already tokenized.
+sampled tokens back to the scheduler. Requests arrive already tokenized. When the executor can
+run several steps at once (pipeline stages, async scheduling), a batch queue keeps up to
+`max_concurrent_batches` of them in flight.
 """
 from __future__ import annotations
 
 import random
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import replace
 
 from cluster.outputs import EngineCoreOutput
@@ -14,6 +18,10 @@ from cluster.scheduler import Scheduler
 from configs import EngineConfig
 from configs.model_info import ModelInfo
 from executor import Executor
+from runner.outputs import ModelRunnerOutput, SchedulerOutput
+
+# A step in flight: its SchedulerOutput and the futures of execute_model and sample_tokens.
+InFlightStep = tuple[SchedulerOutput, Future, Future]
 
 
 class EngineCore:
@@ -27,10 +35,18 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        scheduler_config = config.scheduler_config
+        pipeline = config.parallel_config.pipeline_parallel_size > 1
+        if pipeline:
+            # Stage 0 learns a request's sampled token only from the next SchedulerOutput, so a request must not
+            # be scheduled again before its token is back: no placeholders. Async scheduling still deepens the
+            # batch queue, keeping a step scheduled ahead.
+            scheduler_config = scheduler_config.model_copy(update={"async_scheduling": False})
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, model_info.max_model_len, self.num_blocks,
-            config.cache_config.block_size,
-            send_token_ids=config.parallel_config.pipeline_parallel_size > 1)
+            scheduler_config, config.cache_config, model_info.max_model_len, self.num_blocks,
+            config.cache_config.block_size, send_token_ids=pipeline)
+        depth = self.executor.max_concurrent_batches
+        self.batch_queue: deque[InFlightStep] | None = deque(maxlen=depth) if depth > 1 else None
         # Requests without a seed get one drawn here, so every rank samples them identically.
         self._seed_rng = random.Random(config.model_config.seed)
 
@@ -43,6 +59,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
@@ -52,8 +70,30 @@ class EngineCore:
         assert output is not None, "the output rank returned no ModelRunnerOutput"
         return self.scheduler.update_from_output(scheduler_output, output)
 
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Schedule and dispatch a step while the queue has room and the oldest step is still running (the new one
+        is planned while the others compute); otherwise wait for the oldest and feed its tokens back."""
+        queue = self.batch_queue
+        assert queue is not None
+        if len(queue) < queue.maxlen and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            # A step with no tokens still tells the workers which requests finished.
+            if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids:
+                execute_future = self.executor.execute_model(scheduler_output)
+                queue.append((scheduler_output, execute_future, self.executor.sample_tokens()))
+                if len(queue) < queue.maxlen and not queue[0][2].done():
+                    return []
+        if not queue:
+            return []
+        scheduler_output, execute_future, sample_future = queue.popleft()
+        output: ModelRunnerOutput | None = sample_future.result()
+        if output is None:
+            output = execute_future.result()  # an empty step answers from execute_model
+        assert output is not None, "the output rank returned no ModelRunnerOutput"
+        return self.scheduler.update_from_output(scheduler_output, output)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -1,7 +1,8 @@
-"""The Executor interface the engine core drives: a step is execute_model, then sample_tokens."""
+"""The Executor interface the engine core drives: a step is execute_model, then sample_tokens, both futures."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,21 +30,27 @@ class Executor(ABC):
             from executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
-        raise ValueError(f"distributed_executor_backend {backend!r} is not available in this build")
+        assert backend == "ray", f"unknown distributed_executor_backend {backend!r}"
+        from executor.ray_executor import RayExecutor
+
+        return RayExecutor
 
     @abstractmethod
     def _init_executor(self) -> None: ...
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """Call `method` on every worker; results in rank order."""
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call `method` (a Worker method name, or a function called as `method(worker, *args, **kwargs)`) on every
+        worker; results in rank order."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
         """Start the forward; the future holds None when sample_tokens must follow."""
 
     @abstractmethod
-    def sample_tokens(self) -> Future[ModelRunnerOutput | None]: ...
+    def sample_tokens(self) -> Future[ModelRunnerOutput | None]:
+        """Sample the step execute_model started; the future holds None when execute_model already answered."""
 
     @abstractmethod
     def check_health(self) -> None:
@@ -54,7 +61,10 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        return 1
+        """Steps the engine keeps in flight: one per pipeline stage, plus one being scheduled ahead (async
+        scheduling) while the others run."""
+        pp = self.config.parallel_config.pipeline_parallel_size
+        return pp + 1 if self.config.scheduler_config.async_scheduling else pp
 
     def determine_num_blocks(self) -> int:
         """KV blocks every worker can hold: the minimum across workers."""

@@ -20,6 +20,7 @@ from runner.input_batch import CachedRequestState, InputBatch
 from runner.models.loader import load_model
 from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from runner.parallel_state import get_pp_group
+from runner.prompt_logprobs import PromptLogprobsProcessor
 from runner.sampler import Sampler
 from runner.sampling_inputs import make_sampling_metadata, to_logprobs_lists
 
@@ -52,6 +53,7 @@ class ModelRunner:
                                       model_info.vocab_size)
         self.attn_backend = get_attn_backend("auto", device)
         self.sampler = Sampler()
+        self.prompt_logprobs = PromptLogprobsProcessor(self.max_num_reqs)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
@@ -89,9 +91,7 @@ class ModelRunner:
         return total
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        assert num_blocks * self.block_size >= self.max_model_len, (
-            f"{num_blocks} KV blocks of {self.block_size} tokens cannot hold one request of max_model_len "
-            f"{self.max_model_len}")
+        # A pool smaller than max_model_len is allowed: the scheduler rejects each request that could never fit.
         self.kv_caches = []
         for layer in self.attention_layers():
             shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads,
@@ -109,7 +109,9 @@ class ModelRunner:
         with set_forward_context(None, num_tokens):
             hidden = self.model(ids, positions)
         if get_pp_group().is_last_rank:
-            self.sampler(self.model.compute_logits(hidden[: self.max_num_reqs]).float(), None)
+            # Logits of a full batch (x2: the sampler's working copy) are the peak the sampler adds.
+            logits = self.model.compute_logits(hidden[: self.max_num_reqs]).float()
+            logits.clone().argmax(dim=-1)
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -132,6 +134,7 @@ class ModelRunner:
         if not get_pp_group().is_last_rank:
             return output
         logits = self.model.compute_logits(output[logits_indices]).float()
+        self.prompt_logprobs.compute(output, self.input_batch, self.query_start_loc.np, self.model.compute_logits)
         self.execute_model_state = ExecuteModelState(scheduler_output, logits, sampling_rows)
         return None
 
@@ -153,12 +156,13 @@ class ModelRunner:
             batch.output_token_ids[row].append(token)
             sampled_token_ids[row] = [token]
         logprobs = to_logprobs_lists(batch, state.sampling_rows, sampler_output.logprobs_tensors)
-        return ModelRunnerOutput(list(req_ids), sampled_token_ids, logprobs)
+        return ModelRunnerOutput(list(req_ids), sampled_token_ids, logprobs, self.prompt_logprobs.pop_completed())
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.remove_request(req_id)
             batch.remove_request(req_id)
         # Requests not scheduled this step leave the batch but keep their state.
         scheduled = scheduler_output.num_scheduled_tokens
@@ -170,6 +174,7 @@ class ModelRunner:
                                        new.sampling_params, list(new.block_ids), new.num_computed_tokens)
             self.requests[new.req_id] = state
             batch.add_request(state)
+            self.prompt_logprobs.add_request(new)
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

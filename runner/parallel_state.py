@@ -1,8 +1,11 @@
-"""Tensor- and pipeline-parallel process groups of one engine.
+"""The process groups of a parallel world: tensor (TP), pipeline (PP), data (DP) and expert (EP) parallel.
 
-Global rank = pp_rank * TP + tp_rank (TP innermost). A world of one needs no torch.distributed: every
-collective is then the identity. With more ranks, the caller initialises the default process group
-first; every rank then creates every group, in the same order, as `dist.new_group` requires.
+Global rank = dp * (PP * TP) + pp * TP + tp. TP is innermost, so a TP group is a run of consecutive ranks and the
+executor can keep it on one node. EP spans DP x TP within one PP stage (for MoE models).
+
+A world of one needs no torch.distributed: every collective is then the identity. A larger one needs
+`init_distributed_environment` first; every rank then creates every group, in the same order, as
+`dist.new_group` requires.
 """
 from __future__ import annotations
 
@@ -11,107 +14,120 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from runner.group_coordinator import GroupCoordinator
 
-@dataclass
-class GroupCoordinator:
-    ranks: list[int]  # global ranks of the group, in group order
-    rank_in_group: int
-    device_group: dist.ProcessGroup | None = None  # None exactly when the group has one rank
-    cpu_group: dist.ProcessGroup | None = None  # gloo, for metadata (objects) next to device tensors
+
+@dataclass(frozen=True)
+class RankLayout:
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
-        assert 0 <= self.rank_in_group < len(self.ranks)
-        assert (self.device_group is None) == (self.world_size == 1), "a group of >1 ranks needs a process group"
+        assert min(self.tp_size, self.pp_size, self.dp_size) >= 1
 
     @property
     def world_size(self) -> int:
-        return len(self.ranks)
+        return self.dp_size * self.pp_size * self.tp_size
 
-    @property
-    def rank(self) -> int:
-        return self.ranks[self.rank_in_group]
+    def rank(self, dp: int, pp: int, tp: int) -> int:
+        assert 0 <= dp < self.dp_size and 0 <= pp < self.pp_size and 0 <= tp < self.tp_size
+        return (dp * self.pp_size + pp) * self.tp_size + tp
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank_in_group == 0
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp, pp, tp) of a global rank."""
+        assert 0 <= rank < self.world_size
+        return rank // (self.pp_size * self.tp_size), rank // self.tp_size % self.pp_size, rank % self.tp_size
 
-    @property
-    def is_last_rank(self) -> bool:
-        return self.rank_in_group == self.world_size - 1
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank(d, p, t) for t in range(self.tp_size)]
+                for d in range(self.dp_size) for p in range(self.pp_size)]
 
-    @property
-    def next_rank(self) -> int:
-        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank(d, p, t) for p in range(self.pp_size)]
+                for d in range(self.dp_size) for t in range(self.tp_size)]
 
-    @property
-    def prev_rank(self) -> int:
-        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank(d, p, t) for d in range(self.dp_size)]
+                for p in range(self.pp_size) for t in range(self.tp_size)]
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place; returns `tensor`."""
-        if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.device_group)
-        return tensor
+    def ep_groups(self) -> list[list[int]]:
+        return [[self.rank(d, p, t) for d in range(self.dp_size) for t in range(self.tp_size)]
+                for p in range(self.pp_size)]
 
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenation of every rank's `tensor` along `dim`, in group order."""
-        if self.world_size == 1:
-            return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=dim)
+    def output_rank(self) -> int:
+        """The rank that reports a step's sampled tokens: the first TP rank of the last PP stage (of DP rank 0)."""
+        return self.rank(0, self.pp_size - 1, 0)
 
 
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
+_DP: GroupCoordinator | None = None
+_EP: GroupCoordinator | None = None
 
 
-def _make_groups(group_ranks: list[list[int]], rank: int, backend: str | None) -> GroupCoordinator:
+def init_distributed_environment(world_size: int, rank: int, init_method: str | None, backend: str) -> None:
+    """Join the default process group (nothing to join for a world of one)."""
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+
+
+def init_model_parallel(tp_size: int = 1, pp_size: int = 1, dp_size: int = 1, backend: str | None = None) -> None:
+    """Create this process's TP, PP, DP and EP groups (`backend` None: the default group's). Calling it again with
+    the same sizes is a no-op."""
+    global _TP, _PP, _DP, _EP
+    layout = RankLayout(tp_size, pp_size, dp_size)
+    if _TP is not None:
+        current = RankLayout(_TP.world_size, get_pp_group().world_size, get_dp_group().world_size)
+        if current != layout:
+            raise RuntimeError(f"model parallel already initialised as {current}; asked for {layout} "
+                               f"(call destroy_model_parallel first)")
+        return
+    if layout.world_size == 1:
+        _TP, _PP, _DP, _EP = (GroupCoordinator([0], 0) for _ in range(4))
+        return
+    if not dist.is_initialized():
+        raise RuntimeError(f"{layout} needs init_distributed_environment first")
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(f"torch.distributed world size is {dist.get_world_size()}, but {layout} has "
+                           f"{layout.world_size} ranks")
+    backend = backend or dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    groups: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+    _TP = _make_group(layout.tp_groups(), backend, device, groups)
+    _PP = _make_group(layout.pp_groups(), backend, device, groups)
+    _DP = _make_group(layout.dp_groups(), backend, device, groups)
+    _EP = _make_group(layout.ep_groups(), backend, device, groups)
+
+
+def _make_group(group_ranks: list[list[int]], backend: str, device: torch.device,
+                groups: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]]) -> GroupCoordinator:
+    """This rank's group among `group_ranks`. `groups` caches process groups by member list, so a group equal to one
+    made before (EP = TP when DP is 1) costs no new communicator."""
+    rank = dist.get_rank()
     mine: GroupCoordinator | None = None
     for ranks in group_ranks:
         device_group = cpu_group = None
         if len(ranks) > 1:
-            device_group = dist.new_group(ranks, backend=backend)
-            cpu_group = device_group if dist.get_backend(device_group) == "gloo" else dist.new_group(
-                ranks, backend="gloo")
+            if tuple(ranks) not in groups:
+                device_group = dist.new_group(ranks, backend=backend)
+                cpu_group = device_group if backend == "gloo" else dist.new_group(ranks, backend="gloo")
+                groups[tuple(ranks)] = device_group, cpu_group
+            device_group, cpu_group = groups[tuple(ranks)]
         if rank in ranks:
-            mine = GroupCoordinator(ranks, ranks.index(rank), device_group, cpu_group)
+            mine = GroupCoordinator(ranks, ranks.index(rank), device_group, cpu_group, device)
     assert mine is not None, f"rank {rank} is in none of the groups {group_ranks}"
     return mine
 
 
-def init_model_parallel(tp_size: int = 1, pp_size: int = 1, backend: str | None = None) -> None:
-    """Create the TP and PP groups of this process. A world of one rank needs no torch.distributed (and uses
-    none even when it is initialised); a larger one needs `dist.init_process_group` first (`backend` None: the
-    default group's backend). Calling it again with the same sizes is a no-op."""
-    global _TP, _PP
-    if _TP is not None and _PP is not None:
-        if (_TP.world_size, _PP.world_size) != (tp_size, pp_size):
-            raise RuntimeError(f"model parallel already initialised with tp={_TP.world_size}, pp={_PP.world_size}; "
-                               f"asked for tp={tp_size}, pp={pp_size} (call destroy_model_parallel first)")
-        return
-    world_size = tp_size * pp_size
-    if world_size == 1:
-        _TP, _PP = GroupCoordinator([0], 0), GroupCoordinator([0], 0)
-        return
-    if not dist.is_initialized():
-        raise RuntimeError(f"tp={tp_size} x pp={pp_size} needs torch.distributed.init_process_group first")
-    if dist.get_world_size() != world_size:
-        raise RuntimeError(f"torch.distributed world size is {dist.get_world_size()}, but tp={tp_size} x "
-                           f"pp={pp_size} = {world_size}")
-    rank = dist.get_rank()
-    _TP = _make_groups([[pp * tp_size + tp for tp in range(tp_size)] for pp in range(pp_size)], rank, backend)
-    _PP = _make_groups([[pp * tp_size + tp for pp in range(pp_size)] for tp in range(tp_size)], rank, backend)
-
-
 def destroy_model_parallel() -> None:
     """Forget the groups (the process groups themselves go with `dist.destroy_process_group`)."""
-    global _TP, _PP
-    _TP = _PP = None
+    global _TP, _PP, _DP, _EP
+    _TP = _PP = _DP = _EP = None
 
 
 def model_parallel_is_initialized() -> bool:
-    return _TP is not None and _PP is not None
+    return _TP is not None
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -122,6 +138,16 @@ def get_tp_group() -> GroupCoordinator:
 def get_pp_group() -> GroupCoordinator:
     assert _PP is not None, "pipeline parallel group is not initialised: call init_model_parallel first"
     return _PP
+
+
+def get_dp_group() -> GroupCoordinator:
+    assert _DP is not None, "data parallel group is not initialised: call init_model_parallel first"
+    return _DP
+
+
+def get_ep_group() -> GroupCoordinator:
+    assert _EP is not None, "expert parallel group is not initialised: call init_model_parallel first"
+    return _EP
 
 
 def get_tensor_model_parallel_rank() -> int:

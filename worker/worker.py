@@ -1,6 +1,7 @@
 """Worker: the device owner. Executors call these methods on every rank, in the same order."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -9,7 +10,7 @@ from configs import EngineConfig
 from configs.model_info import ModelInfo
 from runner.model_runner import ModelRunner
 from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
-from runner.parallel_state import get_pp_group, init_model_parallel
+from runner.parallel_state import get_pp_group, init_distributed_environment, init_model_parallel
 from runner.platform import device_type
 
 _GIB = 1 << 30
@@ -21,7 +22,7 @@ class Worker:
         self.config = config
         self.model_info = model_info
         self.rank = rank
-        self.local_rank = local_rank
+        self.local_rank = local_rank  # the CUDA device index in this process
         self.distributed_init_method = distributed_init_method
         self.num_threads = num_threads
         self.device: torch.device | None = None
@@ -38,10 +39,8 @@ class Worker:
                 torch.set_num_threads(self.num_threads)
         parallel = self.config.parallel_config
         backend = "nccl" if kind == "cuda" else "gloo"
-        if parallel.world_size > 1 and not torch.distributed.is_initialized():
-            torch.distributed.init_process_group(backend, init_method=self.distributed_init_method,
-                                                 rank=self.rank, world_size=parallel.world_size)
-        init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, backend)
+        init_distributed_environment(parallel.world_size, self.rank, self.distributed_init_method, backend)
+        init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, backend=backend)
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.model_info, self.device)
 
@@ -70,22 +69,27 @@ class Worker:
         self._runner().initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run this rank's stage: receive from the previous stage, forward, send to the next."""
+        """Run this rank's pipeline stage: receive from the previous stage, forward, send to the next. None: the
+        step's tokens come from sample_tokens (on the last stage) or from another rank."""
         runner = self._runner()
         pp = get_pp_group()
         intermediate: IntermediateTensors | None = None
+        # Every stage sees the same SchedulerOutput, so all agree on whether anything is sent.
         if not pp.is_first_rank and scheduler_output.total_num_scheduled_tokens > 0:
-            intermediate = pp.recv_tensor_dict(scheduler_output.total_num_scheduled_tokens)
+            intermediate = IntermediateTensors(pp.recv_tensor_dict())
         output = runner.execute_model(scheduler_output, intermediate)
         if isinstance(output, IntermediateTensors):
-            pp.send_tensor_dict(output)
+            pp.send_tensor_dict(output.tensors)
             return None
         return output
 
     def sample_tokens(self) -> ModelRunnerOutput | None:
         return self._runner().sample_tokens()
 
-    def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`method` by name, or a function called as `method(worker, *args, **kwargs)`."""
+        if callable(method):
+            return method(self, *args, **kwargs)
         return getattr(self, method)(*args, **kwargs)
 
     def check_health(self) -> bool:

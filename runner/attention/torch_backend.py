@@ -75,7 +75,8 @@ class TorchAttentionBackend(AttentionBackend):
         query_lens_cpu = common.query_start_loc_cpu[reqs_cpu + 1] - starts_cpu
         seq_lens_cpu = common.seq_lens_cpu[reqs_cpu]
         max_q, max_s = int(query_lens_cpu.max()), int(seq_lens_cpu.max())
-        uniform = bool((query_lens_cpu == max_q).all() and (seq_lens_cpu == max_s).all())
+        same_query_len = bool((query_lens_cpu == max_q).all())
+        uniform = same_query_len and bool((seq_lens_cpu == max_s).all())
         reqs = reqs_cpu.to(device, non_blocking=True)
         starts = common.query_start_loc[reqs].long()
         query_lens = common.query_start_loc[reqs + 1].long() - starts
@@ -93,9 +94,10 @@ class TorchAttentionBackend(AttentionBackend):
         elif not (uniform and max_q == 1):
             # Padding rows see every valid key, so no row is fully masked (that would give NaN).
             attn_mask = ((key_pos <= query_pos[:, :, None]) & key_valid[:, None, :]).unsqueeze(1)
-        out_rows = None if uniform else (row < query_lens[:, None]).flatten().nonzero().squeeze(1)
+        out_rows = None if same_query_len else (row < query_lens[:, None]).flatten().nonzero().squeeze(1)
         out_index = query_index.flatten() if out_rows is None else query_index.flatten()[out_rows]
-        return SDPAGroup(max_q == 1, query_index, attn_mask, is_causal, out_rows, out_index, common.block_table[reqs], key_valid)
+        return SDPAGroup(max_q == 1, query_index, attn_mask, is_causal, out_rows, out_index,
+                         common.block_table[reqs], key_valid)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
