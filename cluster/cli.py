@@ -1,11 +1,13 @@
-"""The `raylm` command: `generate` now; `serve` and `bench` join it as they land."""
+"""The `raylm` command: `generate` offline, `serve` the OpenAI API (on Ray Serve, or in this process)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from typing import Any
 
-from configs import add_engine_args, engine_args_from
+from configs import EngineConfig, add_engine_args, engine_args_from, make_engine_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,9 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampled requests")
     add_engine_args(generate)
 
+    serve = commands.add_parser("serve", help="serve the OpenAI API: a Ray Serve app, or uvicorn with --no-ray")
+    serve.add_argument("--config", dest="config_file", help="YAML file of settings (configs/*.yaml)")
+    serve.add_argument("--no-ray", action="store_true",
+                       help="run the app and one engine in this process under uvicorn (no Ray Serve)")
+    serve.add_argument("--ray-address", default=None,
+                       help="Ray cluster to join (default: $RAY_ADDRESS, else the local `ray start` cluster, "
+                            "else a new local Ray)")
+    add_engine_args(serve)
+
     args = parser.parse_args(argv)
     try:
-        return _generate(args)
+        return _serve(args) if args.command == "serve" else _generate(args)
     except ValueError as err:
         print(f"raylm: error: {err}", file=sys.stderr)
         return 2
@@ -46,6 +57,40 @@ def _generate(args: argparse.Namespace) -> int:
                   f"{completion.finish_reason})")
     finally:
         llm.shutdown()
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = make_engine_config(args.config_file, **engine_args_from(args))
+    if args.no_ray:
+        from cluster.openai.api_server import run_server
+
+        return run_server(config)
+    return _serve_on_ray(config, args.ray_address)
+
+
+def _serve_on_ray(config: EngineConfig, address: str | None) -> int:
+    """Deploys the Serve app, then holds it until Ctrl-C or SIGTERM (`ray job stop`) and shuts Serve down.
+    Inside `ray job submit`, RAY_ADDRESS points ray.init at the job's cluster."""
+    import ray
+    from ray import serve
+
+    from cluster.serve import build_openai_app
+
+    ray.init(address=address)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own SIGTERM handler
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serving = config.serving_config
+        serve.start(http_options={"host": serving.host, "port": serving.port})
+        serve.run(build_openai_app(config), name="raylm", route_prefix="/", blocking=False)
+        print(f"raylm: serving {config.model_config.served_model_name} at http://{serving.host}:{serving.port}/v1 "
+              f"(Ctrl-C to stop)", flush=True)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
     return 0
 
 

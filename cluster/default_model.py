@@ -3,26 +3,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cluster.tiny_model import DEFAULT_OUT as DEFAULT_MODEL_DIR
+from cluster.tiny_model import make_tiny_model
 from configs import ModelConfig
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny-llama"
 
 
 def resolve_model(model_config: ModelConfig) -> None:
     """Set `model_config.model` to a local checkpoint folder, building the tiny default if none is named."""
+    model_config.served_model_name = served_model_name(model_config)
     if model_config.model is None:
         model_config.model = str(build_default_model())
     elif not Path(model_config.model).is_dir():
         model_config.model = _download(model_config.model)
-    if model_config.served_model_name is None:
-        model_config.served_model_name = Path(model_config.model).name
+
+
+def served_model_name(model_config: ModelConfig) -> str:
+    """The model id the API shows, known before the model is resolved: the setting, else the folder name
+    or the hub id as given (a hub snapshot folder is named by its commit hash)."""
+    if model_config.served_model_name is not None:
+        return model_config.served_model_name
+    if model_config.model is None:
+        return DEFAULT_MODEL_DIR.name
+    path = Path(model_config.model)
+    return path.name if path.is_dir() else model_config.model
 
 
 def build_default_model() -> Path:
-    # scripts/ is not a layer: the builder is imported only when the default is needed.
-    from scripts.make_tiny_model import make_tiny_model
-
     return make_tiny_model(DEFAULT_MODEL_DIR)
 
 

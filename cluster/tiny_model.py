@@ -4,6 +4,8 @@ The checkpoint (config, safetensors weights, generation config, byte-level BPE t
 template) is deterministic for a given seed, so tests and examples can rely on it without any download.
 
     python scripts/make_tiny_model.py --out models/tiny-llama --arch llama
+
+It lives in cluster/ because the engine builds it on demand when no model is named.
 """
 
 from __future__ import annotations
@@ -296,7 +298,3 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     out = make_tiny_model(**vars(p.parse_args(argv)))
     print(f"{out}  ({count_parameters(out):,} parameters, {time.perf_counter() - start:.2f}s)")
-
-
-if __name__ == "__main__":
-    main()

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.make_tiny_model import make_tiny_model  # noqa: E402
+from cluster.tiny_model import make_tiny_model  # noqa: E402
 
 PRESETS = {
     "tiny": dict(),

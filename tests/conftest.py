@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.make_tiny_model import make_tiny_model
+from cluster.tiny_model import make_tiny_model
 
 torch.set_num_threads(2)
 

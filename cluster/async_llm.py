@@ -1,0 +1,311 @@
+"""AsyncLLM: the engine behind asyncio frontends (the OpenAI app, Ray Serve replicas).
+
+One background thread owns the LLMEngine: it builds it, then steps it while there is work and sleeps on a
+condition when there is none. Frontends reach it through commands (add, abort, health check) that the thread
+applies between steps; each request's outputs go back to an asyncio.Queue on the caller's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from cluster.default_model import served_model_name
+from cluster.llm_engine import LLMEngine, PromptType
+from cluster.outputs import RequestOutput
+from cluster.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
+from configs import EngineConfig
+from configs.model_info import ModelInfo
+from runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (an error, or shutdown): nothing more can be served."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still loading the model."""
+
+
+@dataclass
+class _RequestStream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class _AddRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    stream: _RequestStream
+    arrival_time: float
+
+
+@dataclass
+class _AbortRequest:
+    request_id: str
+
+
+@dataclass
+class _CheckHealth:
+    result: Future[None]
+
+
+_Command: TypeAlias = "_AddRequest | _AbortRequest | _CheckHealth"
+
+
+@dataclass
+class _RequestState:
+    """Engine-thread bookkeeping of one request: where its outputs go, and its timings for metrics."""
+
+    stream: _RequestStream
+    arrival_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    num_generation_tokens: int = 0
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLogger] = ()) -> None:
+        config.model_config.served_model_name = served_model_name(config.model_config)
+        self.config = config
+        self.model_name: str = config.model_config.served_model_name
+        self.stat_loggers = list(stat_loggers)
+        self.scheduler_stats = SchedulerStats()  # the latest snapshot, replaced after every step
+        self._engine: LLMEngine | None = None
+        self._cond = threading.Condition()
+        self._commands: list[_Command] = []
+        self._stopping = False
+        self._dead_reason: str | None = None
+        self._started = threading.Event()  # set once the engine is built, or failed to build
+        # Engine thread only: the commands being applied, and the requests in the engine.
+        self._batch: deque[_Command] = deque()
+        self._requests: dict[str, _RequestState] = {}
+        self._thread = threading.Thread(target=self._run, name="raylm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- state --------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._ready_engine().tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._ready_engine().model_info
+
+    async def wait_until_ready(self) -> None:
+        """Returns once the model is loaded; raises EngineDeadError if it failed to load."""
+        if not self._started.is_set():
+            await asyncio.get_running_loop().run_in_executor(None, self._started.wait)
+        self._raise_if_dead()
+
+    async def check_health(self) -> None:
+        """Raises unless the engine is up and its workers answer; the check runs between steps."""
+        self._raise_if_dead()
+        if not self._started.is_set():
+            raise EngineNotReadyError("the engine is still loading the model")
+        result: Future[None] = Future()
+        self._submit(_CheckHealth(result))
+        await asyncio.wrap_future(result)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """Yields delta outputs until the request finishes. Bad input raises ValueError; stopping the
+        iteration early (a cancelled or disconnected consumer) aborts the request and frees its blocks."""
+        stream = _RequestStream(asyncio.get_running_loop())
+        self._submit(_AddRequest(request_id, prompt, params, priority, stream, time.monotonic()))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; an unknown or finished request id is ignored."""
+        with self._cond:
+            if self._dead_reason is None:
+                self._commands.append(_AbortRequest(request_id))
+                self._cond.notify()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _submit(self, command: _Command) -> None:
+        with self._cond:
+            self._raise_if_dead()
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    def _ready_engine(self) -> LLMEngine:
+        self._raise_if_dead()
+        if self._engine is None:
+            raise EngineNotReadyError("the engine is still loading the model")
+        return self._engine
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._engine = LLMEngine(self.config)
+        except BaseException as err:
+            logger.exception("the engine failed to start")
+            self._fail(f"the engine failed to start: {type(err).__name__}: {err}")
+            return
+        finally:
+            self._started.set()
+        engine = self._engine
+        try:
+            while self._wait_for_work():
+                iteration = IterationStats()
+                while self._batch:
+                    self._apply(self._batch[0], iteration)
+                    self._batch.popleft()  # only once applied: _fail answers a command that raised
+                if engine.has_unfinished_requests():
+                    self._dispatch(engine.step(), iteration)
+                self._record(iteration)
+            reason = "the engine was shut down"
+        except BaseException as err:
+            logger.exception("the engine failed")
+            reason = f"the engine failed: {type(err).__name__}: {err}"
+        self._fail(reason)
+        engine.shutdown()
+
+    def _wait_for_work(self) -> bool:
+        """Moves the commands that arrived since the last step into the batch, sleeping while idle; False
+        to stop."""
+        assert self._engine is not None
+        with self._cond:
+            while not (self._commands or self._stopping or self._engine.has_unfinished_requests()):
+                self._cond.wait()
+            self._batch.extend(self._commands)
+            self._commands = []
+            return not self._stopping
+
+    def _apply(self, command: _Command, iteration: IterationStats) -> None:
+        engine = self._engine
+        assert engine is not None
+        if isinstance(command, _AddRequest):
+            try:
+                prompt_token_ids = engine.add_request(command.request_id, command.prompt, command.params,
+                                                      command.priority, output_kind="delta")
+            except ValueError as err:  # bad input fails this request only
+                _post([(command.stream, err)])
+                return
+            self._requests[command.request_id] = _RequestState(
+                command.stream, command.arrival_time, len(prompt_token_ids))
+        elif isinstance(command, _AbortRequest):
+            state = self._requests.pop(command.request_id, None)
+            if state is not None:
+                engine.abort_request([command.request_id])
+                iteration.finished_requests.append(_finished_stats(state, "abort", time.monotonic()))
+        else:
+            try:
+                engine.engine_core.check_health()
+            except Exception as err:
+                command.result.set_exception(err)
+                raise
+            command.result.set_result(None)
+
+    def _dispatch(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
+        now = time.monotonic()
+        deliveries: list[tuple[_RequestStream, RequestOutput | Exception]] = []
+        for output in outputs:
+            state = self._requests.get(output.request_id)
+            if state is None:
+                continue
+            num_new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+            if state.first_token_time is None:
+                state.first_token_time = now
+                iteration.num_prompt_tokens += state.num_prompt_tokens
+                iteration.time_to_first_tokens.append(now - state.arrival_time)
+            else:
+                iteration.inter_token_latencies.append(now - state.last_token_time)
+            state.last_token_time = now
+            state.num_generation_tokens += num_new_tokens
+            iteration.num_generation_tokens += num_new_tokens
+            if output.finished:
+                del self._requests[output.request_id]
+                reason = output.outputs[-1].finish_reason or "stop"
+                iteration.finished_requests.append(_finished_stats(state, reason, now))
+            deliveries.append((state.stream, output))
+        _post(deliveries)
+
+    def _record(self, iteration: IterationStats) -> None:
+        assert self._engine is not None
+        scheduler = self._engine.engine_core.scheduler
+        self.scheduler_stats = SchedulerStats(
+            num_running_reqs=scheduler.num_running,
+            num_waiting_reqs=scheduler.num_waiting,
+            kv_cache_usage=scheduler.kv_cache_usage,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+        )
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(self.scheduler_stats, iteration)
+
+    def _fail(self, reason: str) -> None:
+        """Marks the engine dead and fails every request in flight or still queued."""
+        with self._cond:
+            self._dead_reason = reason
+            commands = [*self._batch, *self._commands]
+            self._batch.clear()
+            self._commands = []
+        streams = [state.stream for state in self._requests.values()]
+        streams += [command.stream for command in commands if isinstance(command, _AddRequest)]
+        self._requests.clear()
+        _post([(stream, EngineDeadError(reason)) for stream in streams])
+        for command in commands:
+            if isinstance(command, _CheckHealth):
+                command.result.set_exception(EngineDeadError(reason))
+
+
+def _finished_stats(state: _RequestState, finish_reason: str, now: float) -> FinishedRequestStats:
+    return FinishedRequestStats(finish_reason, now - state.arrival_time, state.num_prompt_tokens,
+                                state.num_generation_tokens)
+
+
+def _post(items: list[tuple[_RequestStream, RequestOutput | Exception]]) -> None:
+    """Hands items to their streams' queues on the loops that own them (asyncio queues are not thread-safe),
+    waking each loop once."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:
+            logger.warning("dropped %d outputs: their event loop is closed", len(batch))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP surface: wire models, serving logic, the FastAPI app and its metrics."""

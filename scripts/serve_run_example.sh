@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Ray Serve's own launcher on our Serve config file: `serve run` builds the app with cluster.serve:build_app
+# (on a local Ray, or $RAY_ADDRESS's cluster) and blocks until Ctrl-C. Related forms:
+#   serve deploy configs/serve-tiny.yaml                                  detached, on a running cluster
+#   ray job submit --working-dir . -- serve run configs/serve-tiny.yaml   as a Ray job
+# The API is then at http://127.0.0.1:8000/v1 (http_options in the YAML).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH" RAY_USAGE_STATS_ENABLED=0
+exec serve run configs/serve-tiny.yaml

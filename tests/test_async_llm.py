@@ -1,0 +1,121 @@
+"""AsyncLLM: the engine thread behind the asyncio frontends."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.async_llm import AsyncLLM, EngineDeadError
+from cluster.outputs import RequestOutput
+from configs import make_engine_config
+from runner.sampling_params import SamplingParams
+
+
+def _async_llm(model: Path) -> AsyncLLM:
+    return AsyncLLM(make_engine_config(model=str(model), max_model_len=128, num_gpu_blocks_override=64,
+                                       distributed_executor_backend="uni"))
+
+
+@pytest.fixture(scope="module")
+def llm(llama_path: Path) -> Iterator[AsyncLLM]:
+    llm = _async_llm(llama_path)
+    yield llm
+    llm.shutdown()
+
+
+async def _collect(llm: AsyncLLM, request_id: str, prompt: Any, params: SamplingParams) -> list[RequestOutput]:
+    await llm.wait_until_ready()
+    return [output async for output in llm.generate(request_id, prompt, params)]
+
+
+def test_concurrent_requests_stream_deltas(llm: AsyncLLM) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[list[RequestOutput]]:
+        return await asyncio.gather(*[_collect(llm, f"delta-{i}", f"prompt {i}", params) for i in range(8)])
+
+    for outputs in asyncio.run(run()):
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 6
+        assert [o.finished for o in outputs] == [False] * 5 + [True]
+        assert outputs[-1].outputs[0].finish_reason == "length"
+
+
+def test_bad_input_fails_only_its_request(llm: AsyncLLM) -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(_collect(llm, "too-long", {"prompt_token_ids": [5] * 200}, SamplingParams()))
+    outputs = asyncio.run(_collect(llm, "after", "still fine", SamplingParams(max_tokens=2, ignore_eos=True)))
+    assert outputs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outputs) == 2
+
+
+def test_consumer_that_stops_aborts_its_request(llm: AsyncLLM) -> None:
+    async def run() -> None:
+        await llm.wait_until_ready()
+        stream = llm.generate("stops-early", "Once", SamplingParams(max_tokens=100, ignore_eos=True))
+        await anext(stream)
+        while llm.scheduler_stats.kv_cache_usage == 0:  # the snapshot lags the first output by a step
+            await asyncio.sleep(0.001)
+        assert llm.scheduler_stats.num_running_reqs == 1
+        await stream.aclose()
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 5
+    while llm.scheduler_stats.kv_cache_usage > 0 or llm.scheduler_stats.num_running_reqs:
+        assert time.monotonic() < deadline, "the aborted request kept its blocks"
+        time.sleep(0.01)
+
+
+def test_idle_engine_does_not_step(llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(llm.wait_until_ready())
+    engine = llm._engine
+    assert engine is not None
+    steps = 0
+    real_step = engine.step
+
+    def counting_step() -> list[RequestOutput]:
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", counting_step)
+    time.sleep(0.3)
+    assert steps == 0
+    asyncio.run(_collect(llm, "wakes-it", "hello", SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert steps >= 3
+
+
+def test_step_error_fails_every_request_and_kills_the_engine(llama_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = _async_llm(llama_path)
+    try:
+        asyncio.run(llm.wait_until_ready())
+        engine = llm._engine
+        assert engine is not None
+        real_step = engine.step
+        calls = 0
+
+        def failing_step() -> list[RequestOutput]:
+            nonlocal calls
+            calls += 1
+            if calls == 5:
+                raise RuntimeError("device lost")
+            return real_step()
+
+        monkeypatch.setattr(engine, "step", failing_step)
+        params = SamplingParams(max_tokens=50, ignore_eos=True)
+
+        async def run() -> list[Any]:
+            return await asyncio.gather(*[_collect(llm, f"doomed-{i}", "Once", params) for i in range(3)],
+                                        return_exceptions=True)
+
+        results = asyncio.run(run())
+        assert all(isinstance(r, EngineDeadError) and "device lost" in str(r) for r in results)
+        with pytest.raises(EngineDeadError, match="device lost"):
+            asyncio.run(llm.check_health())
+        with pytest.raises(EngineDeadError):
+            asyncio.run(_collect(llm, "late", "Once", params))
+    finally:
+        llm.shutdown()

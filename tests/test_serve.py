@@ -1,0 +1,77 @@
+"""The Ray Serve application from configs/serve-tiny.yaml on a local Ray, answered over HTTP."""
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import ray
+import yaml
+from ray import serve
+from ray.serve.context import _get_global_client
+
+from cluster.serve import build_app, llm_server_options
+from configs import make_engine_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SERVE_CONFIG = REPO_ROOT / "configs" / "serve-tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def application() -> dict[str, Any]:
+    return yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]
+
+
+@pytest.fixture(scope="module")
+def base_url(application: dict[str, Any], llama_path: Path) -> Iterator[str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # "local": a fresh Ray, never one that another process started on this machine.
+    ray.init(address="local", num_cpus=4, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app({**application["args"], "model": str(llama_path)})
+        serve.run(app, name=application["name"], route_prefix=application["route_prefix"])
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_serve_config_builds_autoscaling_deployments(application: dict[str, Any]) -> None:
+    assert application["import_path"] == "cluster.serve:build_app"
+    settings = dict(application["args"])
+    config = make_engine_config(settings.pop("config"), **settings)
+    autoscaling = llm_server_options(config)["autoscaling_config"]
+    assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (1, 2)
+
+
+def test_answers_through_serve(base_url: str, application: dict[str, Any], llama_path: Path) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    model = llama_path.name
+    assert [card.id for card in client.models.list()] == [model]
+
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8,
+                                           temperature=0.0, extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 8 and completion.choices[0].finish_reason == "length"
+
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="hi", max_tokens=0)
+
+    deployments = _get_global_client().get_serve_details()["applications"][application["name"]]["deployments"]
+    autoscaling = deployments[f"LLMServer:{model}"]["deployment_config"]["autoscaling_config"]
+    assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (1, 2)
