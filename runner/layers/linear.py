@@ -6,9 +6,9 @@ from collections.abc import Callable
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from runner.layers import cpu_gemm
 from runner.parallel_state import get_tp_group
 
 WeightLoader = Callable[..., None]
@@ -46,6 +46,14 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = set_weight_loader(nn.Parameter(torch.empty(out_features), requires_grad=False),
                                           self.weight_loader)
+        self.packed_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        if cpu_gemm.can_pack(self.weight):
+            self.packed_weight = cpu_gemm.pack_weight(self.weight)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.weight, self.packed_weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         raise NotImplementedError
@@ -68,7 +76,7 @@ class ColumnParallelLinear(LinearBase):
         _copy_shard(param.data, loaded_weight, 0, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.apply(x, self.bias)
         return get_tp_group().all_gather(y) if self.gather_output else y
 
 
@@ -146,5 +154,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias joins on one rank only, so the all-reduce adds it once.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.apply(x, self.bias if self.tp_rank == 0 else None)
         return get_tp_group().all_reduce(y) if self.reduce_results else y

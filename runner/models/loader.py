@@ -72,4 +72,7 @@ def load_model(model_path: str | Path, hf_config: PretrainedConfig | None = None
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {model_path} lacks weights for {type(model).__name__}: {shown}")
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model.eval()
