@@ -43,6 +43,9 @@ class TorchAttentionMetadata(AttentionMetadata):
     write_slots: torch.Tensor  # cache slots that receive new K/V
     write_tokens: torch.Tensor | None  # packed tokens written to write_slots; None: tokens 0..len-1
     groups: list[SDPAGroup]
+    # (first token, length) of each prompt with no cached context: plain causal attention over its own
+    # new K/V, one SDPA call each, so prompts of different lengths are not padded to the longest.
+    fresh_prompts: list[tuple[int, int]]
     # The block size arrives with the first layer's cache; the key slots computed then serve every layer.
     block_size: int | None = None
 
@@ -63,10 +66,14 @@ class TorchAttentionBackend(AttentionBackend):
             write_tokens = valid.nonzero().squeeze(1)
             slots = slots[write_tokens]
         query_start_loc = common.query_start_loc_cpu[:common.num_reqs + 1]
-        is_decode = query_start_loc[1:] - query_start_loc[:-1] == 1
-        groups = [self._build_group(common, reqs.nonzero().squeeze(1)) for reqs in (is_decode, ~is_decode)
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        is_decode = query_lens == 1
+        is_fresh = ~is_decode & (query_lens == common.seq_lens_cpu[:common.num_reqs])
+        fresh = is_fresh.nonzero().squeeze(1)
+        fresh_prompts = list(zip(query_start_loc[fresh].tolist(), query_lens[fresh].tolist()))
+        groups = [self._build_group(common, reqs.nonzero().squeeze(1)) for reqs in (is_decode, ~is_decode & ~is_fresh)
                   if bool(reqs.any())]
-        return TorchAttentionMetadata(self, n, slots, write_tokens, groups)
+        return TorchAttentionMetadata(self, n, slots, write_tokens, groups, fresh_prompts)
 
     @staticmethod
     def _build_group(common: CommonAttentionMetadata, reqs_cpu: torch.Tensor) -> SDPAGroup:
@@ -117,6 +124,10 @@ class TorchAttentionBackend(AttentionBackend):
 
         output = query.new_empty(num_tokens, num_heads * head_size)
         output[n:].zero_()
+        for start, length in metadata.fresh_prompts:
+            q, k, v = (t[start : start + length].transpose(0, 1) for t in (query, key, value))  # [heads, L, D]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            output[start : start + length] = o.transpose(0, 1).reshape(length, num_heads * head_size)
         for group in metadata.groups:
             kv_slots = group.slots(block_size)
             k = key_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
