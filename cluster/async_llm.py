@@ -13,10 +13,11 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from dataclasses import dataclass
+from typing import Any
 
 from cluster.default_model import served_model_name
+from cluster.engine_commands import AbortRequest, AddRequest, CheckHealth, EngineCommand, RequestStream, post_outputs
 from cluster.llm_engine import LLMEngine, PromptType
 from cluster.outputs import RequestOutput
 from cluster.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
@@ -36,39 +37,10 @@ class EngineNotReadyError(RuntimeError):
 
 
 @dataclass
-class _RequestStream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
-
-
-@dataclass
-class _AddRequest:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    priority: int
-    stream: _RequestStream
-    arrival_time: float
-
-
-@dataclass
-class _AbortRequest:
-    request_id: str
-
-
-@dataclass
-class _CheckHealth:
-    result: Future[None]
-
-
-_Command: TypeAlias = "_AddRequest | _AbortRequest | _CheckHealth"
-
-
-@dataclass
 class _RequestState:
     """Engine-thread bookkeeping of one request: where its outputs go, and its timings for metrics."""
 
-    stream: _RequestStream
+    stream: RequestStream
     arrival_time: float
     num_prompt_tokens: int
     first_token_time: float | None = None
@@ -85,12 +57,12 @@ class AsyncLLM:
         self.scheduler_stats = SchedulerStats()  # the latest snapshot, replaced after every step
         self._engine: LLMEngine | None = None
         self._cond = threading.Condition()
-        self._commands: list[_Command] = []
+        self._commands: list[EngineCommand] = []
         self._stopping = False
         self._dead_reason: str | None = None
         self._started = threading.Event()  # set once the engine is built, or failed to build
         # Engine thread only: the commands being applied, and the requests in the engine.
-        self._batch: deque[_Command] = deque()
+        self._batch: deque[EngineCommand] = deque()
         self._requests: dict[str, _RequestState] = {}
         self._thread = threading.Thread(target=self._run, name="raylm-engine", daemon=True)
         self._thread.start()
@@ -117,7 +89,7 @@ class AsyncLLM:
         if not self._started.is_set():
             raise EngineNotReadyError("the engine is still loading the model")
         result: Future[None] = Future()
-        self._submit(_CheckHealth(result))
+        self._submit(CheckHealth(result))
         await asyncio.wrap_future(result)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -126,8 +98,8 @@ class AsyncLLM:
                        priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Yields delta outputs until the request finishes. Bad input raises ValueError; stopping the
         iteration early (a cancelled or disconnected consumer) aborts the request and frees its blocks."""
-        stream = _RequestStream(asyncio.get_running_loop())
-        self._submit(_AddRequest(request_id, prompt, params, priority, stream, time.monotonic()))
+        stream = RequestStream(asyncio.get_running_loop())
+        self._submit(AddRequest(request_id, prompt, params, priority, stream, time.monotonic()))
         finished = False
         try:
             while not finished:
@@ -145,7 +117,7 @@ class AsyncLLM:
         """Thread-safe; an unknown or finished request id is ignored."""
         with self._cond:
             if self._dead_reason is None:
-                self._commands.append(_AbortRequest(request_id))
+                self._commands.append(AbortRequest(request_id))
                 self._cond.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -155,7 +127,7 @@ class AsyncLLM:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    def _submit(self, command: _Command) -> None:
+    def _submit(self, command: EngineCommand) -> None:
         with self._cond:
             self._raise_if_dead()
             self._commands.append(command)
@@ -210,19 +182,19 @@ class AsyncLLM:
             self._commands = []
             return not self._stopping
 
-    def _apply(self, command: _Command, iteration: IterationStats) -> None:
+    def _apply(self, command: EngineCommand, iteration: IterationStats) -> None:
         engine = self._engine
         assert engine is not None
-        if isinstance(command, _AddRequest):
+        if isinstance(command, AddRequest):
             try:
                 prompt_token_ids = engine.add_request(command.request_id, command.prompt, command.params,
                                                       command.priority, output_kind="delta")
             except ValueError as err:  # bad input fails this request only
-                _post([(command.stream, err)])
+                post_outputs([(command.stream, err)])
                 return
             self._requests[command.request_id] = _RequestState(
                 command.stream, command.arrival_time, len(prompt_token_ids))
-        elif isinstance(command, _AbortRequest):
+        elif isinstance(command, AbortRequest):
             state = self._requests.pop(command.request_id, None)
             if state is not None:
                 engine.abort_request([command.request_id])
@@ -237,7 +209,7 @@ class AsyncLLM:
 
     def _dispatch(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
         now = time.monotonic()
-        deliveries: list[tuple[_RequestStream, RequestOutput | Exception]] = []
+        deliveries: list[tuple[RequestStream, RequestOutput | Exception]] = []
         for output in outputs:
             state = self._requests.get(output.request_id)
             if state is None:
@@ -257,7 +229,7 @@ class AsyncLLM:
                 reason = output.outputs[-1].finish_reason or "stop"
                 iteration.finished_requests.append(_finished_stats(state, reason, now))
             deliveries.append((state.stream, output))
-        _post(deliveries)
+        post_outputs(deliveries)
 
     def _record(self, iteration: IterationStats) -> None:
         assert self._engine is not None
@@ -280,32 +252,14 @@ class AsyncLLM:
             self._batch.clear()
             self._commands = []
         streams = [state.stream for state in self._requests.values()]
-        streams += [command.stream for command in commands if isinstance(command, _AddRequest)]
+        streams += [command.stream for command in commands if isinstance(command, AddRequest)]
         self._requests.clear()
-        _post([(stream, EngineDeadError(reason)) for stream in streams])
+        post_outputs([(stream, EngineDeadError(reason)) for stream in streams])
         for command in commands:
-            if isinstance(command, _CheckHealth):
+            if isinstance(command, CheckHealth):
                 command.result.set_exception(EngineDeadError(reason))
 
 
 def _finished_stats(state: _RequestState, finish_reason: str, now: float) -> FinishedRequestStats:
     return FinishedRequestStats(finish_reason, now - state.arrival_time, state.num_prompt_tokens,
                                 state.num_generation_tokens)
-
-
-def _post(items: list[tuple[_RequestStream, RequestOutput | Exception]]) -> None:
-    """Hands items to their streams' queues on the loops that own them (asyncio queues are not thread-safe),
-    waking each loop once."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
-    for stream, item in items:
-        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:
-            logger.warning("dropped %d outputs: their event loop is closed", len(batch))
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)

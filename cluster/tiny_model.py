@@ -3,9 +3,7 @@
 The checkpoint (config, safetensors weights, generation config, byte-level BPE tokenizer with a chat
 template) is deterministic for a given seed, so tests and examples can rely on it without any download.
 
-    python scripts/make_tiny_model.py --out models/tiny-llama --arch llama
-
-It lives in cluster/ because the engine builds it on demand when no model is named.
+    python scripts/make_tiny_model.py --out models/tiny-llama --arch llama   (built on demand by the engine)
 """
 
 from __future__ import annotations

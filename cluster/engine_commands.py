@@ -1,0 +1,61 @@
+"""What frontends send to AsyncLLM's engine thread, and how outputs travel back to their event loops."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from cluster.llm_engine import PromptType
+from cluster.outputs import RequestOutput
+from runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestStream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    stream: RequestStream
+    arrival_time: float
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class CheckHealth:
+    result: Future[None]
+
+
+EngineCommand: TypeAlias = "AddRequest | AbortRequest | CheckHealth"
+
+
+def post_outputs(items: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:
+    """Hands items to their streams' queues on the loops that own them (asyncio queues are not thread-safe),
+    waking each loop once."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:
+            logger.warning("dropped %d outputs: their event loop is closed", len(batch))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
