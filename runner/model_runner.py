@@ -106,12 +106,14 @@ class ModelRunner:
         num_tokens = self.max_num_tokens
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        pp = get_pp_group()
+        intermediate = None if pp.is_first_rank else self.model.make_empty_intermediate_tensors(
+            num_tokens, self.dtype, self.device)
         with set_forward_context(None, num_tokens):
-            hidden = self.model(ids, positions)
-        if get_pp_group().is_last_rank:
-            # Logits of a full batch (x2: the sampler's working copy) are the peak the sampler adds.
-            logits = self.model.compute_logits(hidden[: self.max_num_reqs]).float()
-            logits.clone().argmax(dim=-1)
+            hidden = self.model(ids, positions, intermediate)
+        if pp.is_last_rank:
+            # A full batch of float32 logits is what the sampler adds to the peak.
+            self.model.compute_logits(hidden[: self.max_num_reqs]).float().argmax(dim=-1)
 
     # ---- one step --------------------------------------------------------------------------
 

@@ -1,15 +1,18 @@
 """The persistent InputBatch and the packed inputs the ModelRunner prepares from it."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from configs import make_engine_config
-from configs.model_info import ModelInfo
+from configs.model_info import ModelInfo, read_model_info
 from runner.input_batch import CachedRequestState, InputBatch
 from runner.model_runner import ModelRunner
 from runner.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from runner.parallel_state import init_model_parallel
 from runner.sampling_params import SamplingParams
 
 
@@ -83,3 +86,12 @@ def test_second_execute_model_without_sampling_is_an_error() -> None:
     runner.execute_model_state = object()  # a step whose logits were never sampled
     with pytest.raises(RuntimeError, match="without sample_tokens"):
         runner.execute_model(SchedulerOutput.empty())
+
+
+def test_profile_run_is_a_full_size_forward(llama_path: Path) -> None:
+    config = make_engine_config(model=str(llama_path), max_num_batched_tokens=64, max_num_seqs=4)
+    init_model_parallel(1, 1)
+    runner = ModelRunner(config, read_model_info(config.model_config, "cpu"), torch.device("cpu"))
+    runner.load_model()
+    runner.profile_run()  # no attention metadata, no KV cache: must neither fail nor touch a cache
+    assert runner.kv_caches == [] and runner.execute_model_state is None
