@@ -32,6 +32,8 @@ class CacheConfig(_Section):
     kv_cache_memory_gib: float = Field(1.0, gt=0.0, description="KV cache size on CPU")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="force the KV block count")
     enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "cpu"] = Field(
+        "auto", description="attention kernel; auto: cpu (raylm's kernels) for float32 on CPU, else torch")
 
 
 class ParallelConfig(_Section):
@@ -59,6 +61,8 @@ class SchedulerConfig(_Section):
 class CompilationConfig(_Section):
     enforce_eager: bool = Field(False, description="never capture CUDA graphs")
     cudagraph_capture_sizes: list[int] | None = None
+    custom_ops: Literal["auto", "none"] = Field(
+        "auto", description="none: plain torch ops everywhere, no compiled CPU kernels")
 
 
 class ServingConfig(_Section):
@@ -106,6 +110,8 @@ class EngineConfig:
                     f"pipeline stage (pipeline_parallel_size={parallel.pipeline_parallel_size})")
             if min(parallel.pp_layer_partition) < 1:
                 raise ValueError("pp_layer_partition: every stage needs at least 1 layer")
+        if self.cache_config.attention_backend == "cpu" and self.compilation_config.custom_ops == "none":
+            raise ValueError("attention_backend 'cpu' needs raylm's CPU kernels, which custom_ops='none' turns off")
         if self.serving_config.min_replicas > self.serving_config.max_replicas:
             raise ValueError(
                 f"min_replicas ({self.serving_config.min_replicas}) must be <= max_replicas "

@@ -13,6 +13,7 @@ import torch
 
 from configs import EngineConfig
 from configs.model_info import ModelInfo
+from runner import cpu_kernels
 from runner.attention import get_attn_backend
 from runner.attention.common import CommonAttentionMetadata
 from runner.forward_context import set_forward_context
@@ -51,7 +52,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
                                       model_info.vocab_size)
-        self.attn_backend = get_attn_backend("auto", device)
+        cpu_kernels.set_enabled(config.compilation_config.custom_ops != "none")
+        self.attn_backend = get_attn_backend(config.cache_config.attention_backend, device, self.dtype,
+                                             self.block_size)
         self.sampler = Sampler()
         self.prompt_logprobs = PromptLogprobsProcessor(self.max_num_reqs)
         self.model: torch.nn.Module | None = None

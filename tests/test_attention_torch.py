@@ -56,7 +56,7 @@ def _reference(query: torch.Tensor, kv_cache: torch.Tensor, query_lens: list[int
 def _run(query_lens: list[int], seq_lens: list[int], seed: int = 0,
          num_padding_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
     generator = torch.Generator().manual_seed(seed)
-    backend = get_attn_backend("auto", "cpu")
+    backend = TorchAttentionBackend()
     block_tables = _random_block_tables(seq_lens, generator)
     common, _ = make_common_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE, num_padding_tokens)
     shape = backend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
@@ -70,7 +70,8 @@ def _run(query_lens: list[int], seq_lens: list[int], seed: int = 0,
 
 
 def test_get_attn_backend() -> None:
-    assert isinstance(get_attn_backend(), TorchAttentionBackend)
+    assert isinstance(get_attn_backend("auto", "cpu", torch.float32, block_size=4), TorchAttentionBackend)
+    assert isinstance(get_attn_backend("auto", "cpu", torch.bfloat16), TorchAttentionBackend)
     assert isinstance(get_attn_backend("torch", "cpu"), TorchAttentionBackend)
     for name in ("triton", "flash_attn"):
         with pytest.raises(ValueError, match="not available yet"):

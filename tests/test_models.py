@@ -67,7 +67,7 @@ def _load(path: Path, pp_rank: int = 0, pp_size: int = 1) -> nn.Module:
     model = load_model(path, load_hf_config(path), torch.float32, "cpu", pp_rank=pp_rank, pp_size=pp_size)
     for layer in model.modules():
         if isinstance(layer, Attention):
-            layer.kv_cache = torch.zeros(get_attn_backend().get_kv_cache_shape(
+            layer.kv_cache = torch.zeros(get_attn_backend(block_size=BLOCK_SIZE).get_kv_cache_shape(
                 NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_size))
     return model
 
@@ -106,7 +106,7 @@ def _assert_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_prefill_then_decode_matches_transformers(kind: str, checkpoints: dict[str, tuple[Path, nn.Module]]) -> None:
     path, hf_model = checkpoints[kind]
-    model, backend = _load(path), get_attn_backend()
+    model, backend = _load(path), get_attn_backend(block_size=BLOCK_SIZE)
     prompts = _prompts([5, 17, 1], hf_model.config.vocab_size)
     tables = _block_tables([len(p) + 1 for p in prompts])
     logits = model.compute_logits(_step(model, backend, prompts, [len(p) for p in prompts], tables))
@@ -125,7 +125,7 @@ def test_prefill_then_decode_matches_transformers(kind: str, checkpoints: dict[s
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_chunked_prefill_matches_full_prompt(kind: str, checkpoints: dict[str, tuple[Path, nn.Module]]) -> None:
     path, hf_model = checkpoints[kind]
-    model, backend = _load(path), get_attn_backend()
+    model, backend = _load(path), get_attn_backend(block_size=BLOCK_SIZE)
     long, short = _prompts([17, 5], hf_model.config.vocab_size, seed=3)
     tables = _block_tables([17, 6])
     first = model.compute_logits(_step(model, backend, [long[:8], short], [8, 5], tables))
@@ -149,7 +149,7 @@ def test_dummy_run_without_metadata(checkpoints: dict[str, tuple[Path, nn.Module
 @pytest.mark.parametrize("kind", ["llama", "llama_tied"])
 def test_pipeline_stages_match_transformers(kind: str, checkpoints: dict[str, tuple[Path, nn.Module]]) -> None:
     path, hf_model = checkpoints[kind]
-    first, last, backend = _load(path, 0, 2), _load(path, 1, 2), get_attn_backend()
+    first, last, backend = _load(path, 0, 2), _load(path, 1, 2), get_attn_backend(block_size=BLOCK_SIZE)
     first_names, last_names = [n for n, _ in first.named_parameters()], [n for n, _ in last.named_parameters()]
     assert not any(name.startswith(("lm_head", "model.norm", "model.layers.1.")) for name in first_names)
     assert not any(name.startswith("model.layers.0.") for name in last_names)
@@ -200,7 +200,7 @@ def _tp_worker(rank: int, world_size: int, port: int, paths: list[str], out_dir:
     destroy_model_parallel()
     init_model_parallel(tp_size=world_size)
     for i, path in enumerate(paths):
-        model, backend = _load(Path(path)), get_attn_backend()
+        model, backend = _load(Path(path)), get_attn_backend(block_size=BLOCK_SIZE)
         config = load_hf_config(path)
         prompts = _prompts([5, 9], config.vocab_size)
         tables = _block_tables([6, 10])

@@ -1,5 +1,5 @@
 """Rotary position embedding, neox style (transformers' rotate_half: the two halves of each head rotate
-together), with a cos/sin cache indexed by position."""
+together), with a cos/sin cache indexed by position. On CPU in float32 one kernel rotates q and k in place."""
 from __future__ import annotations
 
 import math
@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from runner import cpu_kernels
 
 
 def _default_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
@@ -43,6 +45,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, num_heads*head_size], key [T, num_kv_heads*head_size] -> rotated (q, k)."""
+        ops = cpu_kernels.ops_for(query)
+        if (ops is not None and query.dim() == 2 and query.stride(-1) == 1 and key.stride(-1) == 1
+                and positions.dtype == torch.int64):
+            ops.rotary_embedding(positions.contiguous(), query, key, self.cos_sin_cache, self.head_size,
+                                 self.rotary_dim)
+            return query, key
         cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(-2).chunk(2, dim=-1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 

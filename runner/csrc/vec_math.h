@@ -1,0 +1,54 @@
+// Vector helpers shared by the kernels: a vectorisable exp, a 16-float register value, argument checks.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace raylm {
+
+constexpr int64_t kTile = 16;  // floats per vector step
+
+// expf in plain arithmetic (Cephes' polynomial, ~1 ulp on [-87, 88]) so that loops calling it
+// vectorize; std::exp stays a scalar call without -ffast-math.
+inline float vexp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+inline void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+// 16 floats in one value the compiler keeps in registers (one AVX-512 register, or two AVX2 ones), so that
+// accumulators across a tile's keys never round-trip through memory.
+typedef float vec16 __attribute__((vector_size(kTile * sizeof(float))));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+}  // namespace raylm

@@ -1,0 +1,121 @@
+"""raylm's CPU kernels against the plain-torch ops they replace, and the cpu attention backend against the
+torch backend on the same batches and the same (logical) cache contents."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from test_attention_torch import make_common_metadata
+
+from configs import make_engine_config
+from runner import cpu_kernels
+from runner.attention import CPUAttentionBackend, TorchAttentionBackend, get_attn_backend
+from runner.layers.activation import SiluAndMul
+from runner.layers.layernorm import RMSNorm
+from runner.layers.rotary_embedding import RotaryEmbedding, _default_inv_freq
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="raylm's CPU kernels could not be built here")
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 24, 16, 24
+
+
+T = TypeVar("T")
+
+
+@pytest.fixture
+def plain_torch() -> Iterator[None]:
+    """Run the test with the kernels switched off, then switch them back on."""
+    cpu_kernels.set_enabled(False)
+    yield
+    cpu_kernels.set_enabled(True)
+
+
+def _without_kernels(fn: Callable[..., T], *args: Any) -> T:
+    cpu_kernels.set_enabled(False)
+    try:
+        return fn(*args)
+    finally:
+        cpu_kernels.set_enabled(True)
+
+
+def test_rms_norm_and_fused_residual_add() -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(200, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(13, 200), torch.randn(13, 200)
+    torch.testing.assert_close(norm(x), _without_kernels(norm, x), rtol=1e-6, atol=1e-6)
+    expected = _without_kernels(norm, x.clone(), residual.clone())
+    out, new_residual = norm(x.clone(), residual.clone())
+    torch.testing.assert_close(out, expected[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(new_residual, expected[1], rtol=0, atol=0)
+    heads = torch.randn(5, 3, 200)  # Qwen3's per-head q/k norm: any leading shape
+    torch.testing.assert_close(norm(heads), _without_kernels(norm, heads), rtol=1e-6, atol=1e-6)
+
+
+def test_silu_and_mul() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(9, 2 * 301) * 8  # wide range: the vectorised exp is checked where it clamps
+    torch.testing.assert_close(SiluAndMul()(x), _without_kernels(SiluAndMul(), x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+def test_rotary_in_place(rotary_dim: int) -> None:
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(32, rotary_dim, 64, _default_inv_freq(10000.0, rotary_dim))
+    qkv = torch.randn(7, (4 + 2 + 2) * 32)
+    q, k, _ = qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1)  # strided views, as the models pass them
+    positions = torch.tensor([0, 5, 9, 63, 1, 2, 30])
+    expected = _without_kernels(rope, positions, q.clone(), k.clone())
+    got = rope(positions, q, k)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _logical_to_cpu_layout(logical: torch.Tensor) -> torch.Tensor:
+    """[2, blocks, block, kv_heads, D] (the torch backend's layout) -> the cpu backend's layout."""
+    key = logical[0].permute(0, 2, 3, 1).contiguous()  # [blocks, kv_heads, D, block]: key tiles transposed
+    value = logical[1].permute(0, 2, 1, 3).contiguous()  # [blocks, kv_heads, block, D]
+    shape = CPUAttentionBackend.get_kv_cache_shape(logical.shape[1], BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+    return torch.stack([key.view(shape[1:]), value]).contiguous()
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [
+    ([1, 7, 1, 5, 1], [9, 7, 40, 37, 1]),  # decodes of different lengths, a prefill, a chunk with context
+    ([1, 1, 1], [16, 17, 33]),  # decodes at block edges
+    ([40], [40]),  # one prompt
+    ([20, 3], [70, 5]),  # chunks with context: the first splits into two query chunks across threads
+])
+def test_cpu_backend_matches_torch_backend(query_lens: list[int], seq_lens: list[int]) -> None:
+    generator = torch.Generator().manual_seed(0)
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    block_tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
+    common, _ = make_common_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE, num_padding_tokens=2)
+    logical = torch.randn(TorchAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE),
+                          generator=generator)  # stands in for the context of earlier steps
+    cpu_cache = _logical_to_cpu_layout(logical)
+    num_tokens = sum(query_lens) + 2
+    query = torch.randn(num_tokens, HEADS, HEAD_SIZE, generator=generator)
+    key, value = (torch.randn(num_tokens, KV_HEADS, HEAD_SIZE, generator=generator) for _ in range(2))
+    torch_backend, cpu_backend = TorchAttentionBackend(), CPUAttentionBackend()
+    expected = torch_backend.forward(query, key, value, logical, torch_backend.build(common), 0.3)
+    got = cpu_backend.forward(query, key, value, cpu_cache, cpu_backend.build(common), 0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu_cache, _logical_to_cpu_layout(logical))  # both wrote the same new K/V
+
+
+def test_backend_choice_and_errors() -> None:
+    assert isinstance(get_attn_backend("auto", "cpu", torch.float32, 16), CPUAttentionBackend)
+    assert isinstance(get_attn_backend("auto", "cpu", torch.float32, 8), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        get_attn_backend("cpu", "cpu", torch.float32, 8)
+    with pytest.raises(ValueError, match="float32 on CPU"):
+        get_attn_backend("cpu", "cpu", torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="custom_ops='none'"):
+        make_engine_config(attention_backend="cpu", custom_ops="none")
+
+
+def test_disabled_kernels_pick_the_torch_backend(plain_torch: None) -> None:
+    assert isinstance(get_attn_backend("auto", "cpu", torch.float32, 16), TorchAttentionBackend)
+    assert cpu_kernels.ops_for(torch.zeros(1)) is None
