@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 from runner.attention import AttentionBackend, get_attn_backend
 from runner.forward_context import set_forward_context
 from runner.layers.attention import Attention
+from runner.models.llama import LlamaMLP
 from runner.models.loader import load_hf_config, load_model
 from runner.models.registry import get_model_cls
 from runner.models.utils import get_pp_indices
@@ -120,6 +121,17 @@ def test_prefill_then_decode_matches_transformers(kind: str, checkpoints: dict[s
                                         [len(p) + 1 for p in prompts], tables))
     for i, (prompt, token) in enumerate(zip(prompts, next_tokens, strict=True)):
         _assert_close(decode[i], _hf_logits(hf_model, prompt + [token])[-1])
+
+
+def test_mlp_in_token_chunks_matches_one_pass(checkpoints: dict[str, tuple[Path, nn.Module]],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long CPU batches run the MLP in token chunks (to keep its activation in cache); the result is the same."""
+    path, hf_model = checkpoints["llama"]
+    model, backend = _load(path), get_attn_backend(block_size=BLOCK_SIZE)
+    monkeypatch.setattr(LlamaMLP, "cpu_chunk_tokens", 4)  # 17 tokens: chunks of 4, 4, 4, 4, 1
+    prompt = _prompts([17], hf_model.config.vocab_size)[0]
+    logits = model.compute_logits(_step(model, backend, [prompt], [17], _block_tables([17])))
+    _assert_close(logits, _hf_logits(hf_model, prompt))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
