@@ -7,7 +7,8 @@ emitted, kept as left context because many decoders render a token differently a
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -32,12 +33,20 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        token_texts: dict[int, str] | None = None,
     ) -> None:
+        """`token_texts` memoizes the text of single tokens (with this tokenizer and skip_special_tokens), so it can
+        be shared by the requests of one OutputProcessor."""
         self.tokenizer = tokenizer
         # The Rust tokenizer behind a fast tokenizer decodes the same text without transformers' per-call
         # Python overhead, which is most of the detokenizer's cost per token.
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode: Callable[[list[int]], str] = (
+            partial(backend.decode, skip_special_tokens=skip_special_tokens) if backend is not None
+            else partial(tokenizer.decode, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False))
         self.skip_special_tokens = skip_special_tokens
+        # Once streaming, the left context is the last emitted token: its text is looked up, not decoded again.
+        self._token_texts: dict[int, str] = {} if token_texts is None else token_texts
         self.stop = list(stop or [])
         self.include_stop_str_in_output = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -68,15 +77,17 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Appends tokens one by one; returns the stop string if one appears (the text is then truncated)."""
+        token_ids = self._token_ids
         for token_id in new_token_ids:
-            self._token_ids.append(token_id)
+            token_ids.append(token_id)
             new_text = self._decode_next()
             if not new_text:
                 continue
             self._output_text += new_text
-            stop_str = self._check_stop_strings(len(new_text))
-            if stop_str is not None:
-                return stop_str
+            if self.stop:
+                stop_str = self._check_stop_strings(len(new_text))
+                if stop_str is not None:
+                    return stop_str
         return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
@@ -94,29 +105,28 @@ class IncrementalDetokenizer:
         self._last_output_text_offset = length
         return self._output_text[start:length]
 
-    def _decode(self, token_ids: list[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(
-            token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
-        )
-
     def _decode_next(self) -> str:
-        prefix_text = self._decode(self._token_ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self._token_ids[self.prefix_offset:])
-        incomplete = full_text.endswith(_REPLACEMENT_CHAR)
-        if incomplete and len(self._token_ids) - self.read_offset <= _MAX_PENDING_TOKENS:
+        token_ids, prefix_offset, read_offset = self._token_ids, self.prefix_offset, self.read_offset
+        decode = self._decode
+        if read_offset - prefix_offset == 1:
+            token_id = token_ids[prefix_offset]
+            prefix_text = self._token_texts.get(token_id)
+            if prefix_text is None:
+                prefix_text = self._token_texts[token_id] = decode([token_id])
+        else:
+            prefix_text = decode(token_ids[prefix_offset:read_offset])
+        full_text = decode(token_ids[prefix_offset:])
+        num_tokens = len(token_ids)
+        if full_text.endswith(_REPLACEMENT_CHAR) and num_tokens - read_offset <= _MAX_PENDING_TOKENS:
             return ""
         if len(full_text) <= len(prefix_text):
             return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self._token_ids)
+        self.prefix_offset = read_offset
+        self.read_offset = num_tokens
         return full_text[len(prefix_text):]
 
     def _check_stop_strings(self, new_text_len: int) -> str | None:
         """Finds the earliest stop string ending in the new text; truncates the output text at it."""
-        if not self.stop:
-            return None
         text = self._output_text
         # A stop string ending in the new text starts at most max_stop_len - 1 characters before it.
         search_start = max(len(text) - new_text_len - self.max_stop_len + 1, 0)

@@ -73,34 +73,40 @@ class KVCacheManager:
         freshly allocated blocks (maybe none), or None, changing nothing, when the pool is too small."""
         new_computed_blocks = new_computed_blocks or []
         assert num_new_tokens > 0 and num_new_computed_tokens == len(new_computed_blocks) * self.block_size
-        admitting = request.request_id not in self.req_to_blocks
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        admitting = req_blocks is None
         assert admitting or not new_computed_blocks, "prefix hits are only taken on admission"
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_new_blocks = (self.blocks_needed(num_computed + num_new_tokens)
-                          - len(req_blocks) - len(new_computed_blocks))
-        # Hits sitting in the free queue leave it, so they count against the free blocks too.
-        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        num_new_blocks = (-(-(num_computed + num_new_tokens) // self.block_size)
+                          - (0 if req_blocks is None else len(req_blocks)) - len(new_computed_blocks))
         assert num_new_blocks >= 0
-        if num_new_blocks + num_free_hits > self.block_pool.num_free_blocks:
+        block_pool = self.block_pool
+        # Hits sitting in the free queue leave it, so they count against the free blocks too.
+        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) if new_computed_blocks else 0
+        if num_new_blocks + num_free_hits > block_pool.num_free_blocks:
             return None
 
-        if admitting:
-            self.req_to_blocks[request.request_id] = req_blocks
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = []
             self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
-        self.block_pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+        if new_computed_blocks:
+            block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        # Most steps of a running request fit in the blocks it holds: no pool work then.
+        new_block_ids: list[int] = []
+        if num_new_blocks:
+            new_blocks = block_pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+            new_block_ids = [block.block_id for block in new_blocks]
 
         if self.enable_caching:
             # Only known token ids can be hashed: under async scheduling the scheduled tokens may run
             # ahead of the sampled ones.
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens) // self.block_size)
-        return [block.block_id for block in new_blocks]
+        return new_block_ids
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first so that a prompt's tail is evicted before

@@ -37,7 +37,7 @@ class LLM:
         request_ids = [str(next(self._counter)) for _ in prompts]
         try:
             for request_id, prompt, params, prio in zip(request_ids, prompts, params_list, priorities):
-                engine.add_request(request_id, prompt, params, priority=prio)
+                engine.add_request(request_id, prompt, params, priority=prio, output_kind="final")
             finished = self._run_engine(len(prompts), use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # "cumulative": every output carries the full text and tokens so far; "delta": only what is new since the
-# previous output (for streaming).
-RequestOutputKind = Literal["cumulative", "delta"]
+# previous output (for streaming); "final": only the finished output, as "cumulative" would give it (offline use,
+# where building the intermediate outputs would be wasted work).
+RequestOutputKind = Literal["cumulative", "delta", "final"]
 
 
 @dataclass
@@ -66,6 +67,8 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        # Single-token texts shared by the detokenizers, one memo per skip_special_tokens setting.
+        self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
 
@@ -101,6 +104,7 @@ class OutputProcessor:
             skip_special_tokens=sampling_params.skip_special_tokens,
             stop=sampling_params.stop,
             include_stop_str_in_output=sampling_params.include_stop_str_in_output,
+            token_texts=self._token_texts[sampling_params.skip_special_tokens],
         )
         logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.request_states[request_id] = RequestState(request_id, parent, index, detokenizer, logprobs)
@@ -123,8 +127,9 @@ class OutputProcessor:
         processed = ProcessedOutputs()
         # Parent id -> (parent, completions new in this step); one RequestOutput per parent per step.
         changed: dict[str, tuple[ParentRequest, list[CompletionOutput]]] = {}
+        request_states = self.request_states
         for engine_core_output in engine_core_outputs:
-            state = self.request_states.get(engine_core_output.request_id)
+            state = request_states.get(engine_core_output.request_id)
             if state is None:
                 continue  # aborted while the step ran
             parent = state.parent
@@ -133,21 +138,27 @@ class OutputProcessor:
             completion = self._update_request(state, engine_core_output, processed.reqs_to_abort)
             if completion is None:
                 continue
-            if parent.output_kind == "cumulative":
+            if parent.output_kind != "delta":
                 parent.completions[state.index] = completion
-            parent.num_cached_tokens = max(parent.num_cached_tokens, engine_core_output.num_cached_tokens)
-            changed.setdefault(parent.request_id, (parent, []))[1].append(completion)
-            if completion.finished():
-                del self.request_states[state.request_id]
+            entry = changed.get(parent.request_id)
+            if entry is None:
+                changed[parent.request_id] = (parent, [completion])
+            else:
+                entry[1].append(completion)
+            if completion.finish_reason is not None:
+                del request_states[state.request_id]
                 self._finish_child(state)
 
         for parent, completions in changed.values():
+            kind = parent.output_kind
+            if kind == "final" and not parent.finished:
+                continue  # other children of this parent are still running
             prompt_logprobs = parent.prompt_logprobs
-            if parent.output_kind == "cumulative":
-                outputs = [parent.completions[i] for i in sorted(parent.completions)]
-            else:
-                outputs = sorted(completions, key=lambda c: c.index)
+            if kind == "delta":
+                outputs = sorted(completions, key=lambda c: c.index) if len(completions) > 1 else completions
                 parent.prompt_logprobs = None
+            else:
+                outputs = [parent.completions[i] for i in sorted(parent.completions)]
             processed.request_outputs.append(
                 RequestOutput(
                     request_id=parent.request_id,
@@ -164,12 +175,14 @@ class OutputProcessor:
     def _update_request(
         self, state: RequestState, engine_core_output: EngineCoreOutput, reqs_to_abort: list[str]
     ) -> CompletionOutput | None:
-        """Detokenizes the new tokens; returns this step's completion, or None when nothing changed."""
+        """Detokenizes the new tokens; returns this step's completion, or None when nothing changed or, under
+        "final", the request is not finished."""
         detokenizer = state.detokenizer
         num_tokens_before = detokenizer.num_output_tokens
         stop_str = detokenizer.update(engine_core_output.new_token_ids)
         # A stop string drops the tokens after the one completing it.
-        num_new_tokens = detokenizer.num_output_tokens - num_tokens_before
+        num_new_tokens = (len(engine_core_output.new_token_ids) if stop_str is None
+                          else detokenizer.num_output_tokens - num_tokens_before)
 
         finish_reason, stop_reason = engine_core_output.finish_reason, engine_core_output.stop_reason
         if stop_str is not None:
@@ -183,9 +196,14 @@ class OutputProcessor:
         if state.logprobs is not None:
             new_logprobs = _logprobs_dicts(engine_core_output.new_logprobs, num_new_tokens)
             state.logprobs.extend(new_logprobs)
+        parent = state.parent
+        if engine_core_output.num_cached_tokens > parent.num_cached_tokens:
+            parent.num_cached_tokens = engine_core_output.num_cached_tokens
 
         finished = finish_reason is not None
-        delta = state.parent.output_kind == "delta"
+        if not finished and parent.output_kind == "final":
+            return None
+        delta = parent.output_kind == "delta"
         text = detokenizer.get_next_output_text(finished, delta)
         if delta:
             token_ids = list(engine_core_output.new_token_ids[:num_new_tokens])

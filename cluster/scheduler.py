@@ -105,16 +105,17 @@ class Scheduler:
         scheduled_new: list[Request] = []
         any_preempted = False
 
+        running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
         req_index = 0
-        while req_index < len(self.running) and budget > 0:
-            request = self.running[req_index]
+        while req_index < len(running) and budget > 0:
+            request = running[req_index]
             num_new_tokens = self._num_tokens_to_schedule(request, budget)
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-                victim_index = preemption_victim(self.running, self.policy)
-                victim = self.running.pop(victim_index)
+            while (block_ids := allocate_slots(request, num_new_tokens)) is None:
+                victim_index = preemption_victim(running, self.policy)
+                victim = running.pop(victim_index)
                 if victim_index < req_index:
                     req_index -= 1
                 if victim.request_id in num_scheduled_tokens:  # already scheduled this step: undo that
@@ -178,8 +179,9 @@ class Scheduler:
         that got tokens or finished. Requests finished, aborted or preempted since that step was
         scheduled are skipped."""
         row_of = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        sampled_token_ids = model_runner_output.sampled_token_ids
         outputs: list[EngineCoreOutput] = []
-        any_finished = False
+        finished_requests: set[Request] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None:
@@ -189,30 +191,31 @@ class Scheduler:
                 request.num_stale_steps -= 1
                 continue
             row = row_of.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[row] if row is not None else []
+            sampled = sampled_token_ids[row] if row is not None else None
             if not sampled:
                 continue  # a partial prefill
             if request.num_output_placeholders:
                 request.num_output_placeholders -= len(sampled)
                 assert request.num_output_placeholders >= 0
-            new_token_ids: list[int] = []
+            num_new_tokens, finished = 0, False  # a request in self.requests is unfinished until check_stop says
             for token_id in sampled:
                 request.append_output_token_id(token_id)
-                new_token_ids.append(token_id)
+                num_new_tokens += 1
                 if check_stop(request):
+                    finished = True
                     break
             logprobs = model_runner_output.logprobs.get(req_id)
-            if logprobs is not None and len(new_token_ids) < len(sampled):
-                logprobs = _slice_logprobs(logprobs, len(new_token_ids))
-            if request.is_finished:
-                any_finished = True
+            if logprobs is not None and num_new_tokens < len(sampled):
+                logprobs = _slice_logprobs(logprobs, num_new_tokens)
+            if finished:
+                finished_requests.add(request)
                 self._free_request(request)
             outputs.append(EngineCoreOutput(
-                req_id, new_token_ids, request.get_finished_reason(), request.stop_reason, logprobs,
-                max(request.num_cached_tokens, 0),
-                new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req_id)))
-        if any_finished:
-            self.running = [request for request in self.running if not request.is_finished]
+                req_id, sampled[:num_new_tokens], request.get_finished_reason() if finished else None,
+                request.stop_reason, logprobs, max(request.num_cached_tokens, 0),
+                model_runner_output.prompt_logprobs.get(req_id)))
+        if finished_requests:
+            self.running = [request for request in self.running if request not in finished_requests]
         return outputs
 
     # ---- metrics and cache control ----------------------------------------------------------
@@ -243,12 +246,12 @@ class Scheduler:
     # ---- internals -----------------------------------------------------------------------------
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+        num_tokens, num_placeholders = request.num_tokens, request.num_output_placeholders
+        if num_tokens - request.num_prompt_tokens + num_placeholders >= request.max_tokens:
             return 0  # async: the samples in flight already reach max_tokens
         # Without chunked prefill a running request only ever has decode tokens left (a whole prompt
         # was admitted at once), so capping by the budget never splits a prompt.
-        num_new_tokens = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-        return min(num_new_tokens, budget)
+        return min(num_tokens + num_placeholders - request.num_computed_tokens, budget)
 
     def _preempt(self, request: Request) -> None:
         """Free the blocks and requeue; the tokens so far are kept and recomputed on resumption."""
@@ -265,24 +268,21 @@ class Scheduler:
     def _advance(self, request: Request, num_tokens: int) -> None:
         """Count the scheduled tokens as computed right away so the next step can be planned before
         this one's output is back."""
-        request.num_computed_tokens += num_tokens
+        request.num_computed_tokens = num_computed = request.num_computed_tokens + num_tokens
         request.num_inflight_steps += 1
-        request.num_sent_tokens = request.num_tokens
-        num_known_or_pending = request.num_tokens + request.num_output_placeholders
-        if self.async_scheduling and request.num_computed_tokens == num_known_or_pending:
+        request.num_sent_tokens = num_known = request.num_tokens
+        num_known_or_pending = num_known + request.num_output_placeholders
+        if self.async_scheduling and num_computed == num_known_or_pending:
             request.num_output_placeholders += 1  # this step samples; its token is not known yet
-        assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
-        assert request.num_computed_tokens < self.max_model_len
+            num_known_or_pending += 1
+        assert num_computed <= num_known_or_pending
+        assert num_computed < self.max_model_len
 
     def _cached_request_data(self, requests: list[Request], new_block_ids: dict[str, list[int]]) -> CachedRequestData:
-        data = CachedRequestData()
-        for request in requests:
-            data.req_ids.append(request.request_id)
-            data.new_block_ids.append(new_block_ids[request.request_id])
-            data.num_computed_tokens.append(request.num_computed_tokens)
-            data.new_token_ids.append(
-                request.all_token_ids[request.num_sent_tokens:] if self.send_token_ids else [])
-        return data
+        req_ids = [request.request_id for request in requests]
+        return CachedRequestData(
+            req_ids, [new_block_ids[req_id] for req_id in req_ids], [req.num_computed_tokens for req in requests],
+            [req.all_token_ids[req.num_sent_tokens:] if self.send_token_ids else [] for req in requests])
 
     def _free_request(self, request: Request) -> None:
         """A finished request leaves the engine core: blocks back to the pool, the runner told."""

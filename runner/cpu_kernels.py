@@ -50,8 +50,8 @@ def load() -> ModuleType | None:
     sources = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.[ch]*")))
     digest = hashlib.sha1(sources + _cpu_flags().encode()).hexdigest()[:12]
     try:
-        return load_extension(name=f"raylm_cpu_kernels_{digest}", sources=[str(_CSRC / "cpu_kernels.cpp")],
-                              extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
+        return load_extension(name=f"raylm_cpu_kernels_{digest}2", sources=[str(_CSRC / "cpu_kernels.cpp")],
+                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, a sandbox without a writable cache, ...
         logger.warning("raylm CPU kernels unavailable, using plain torch ops: %s", exc)
         return None

@@ -63,6 +63,8 @@ class InputBatch:
         self.req_id_to_index: dict[str, int] = {}
         self._holes: list[int] = []  # free rows below num_rows, reused first
         self.num_rows = 0  # rows in use or holes
+        # Bumped whenever a row changes request, so per-row settings derived from the rows can be reused until then.
+        self.rows_version = 0
 
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
@@ -100,6 +102,7 @@ class InputBatch:
             self.num_rows += 1
         self.req_ids[row] = state.req_id
         self.req_id_to_index[state.req_id] = row
+        self.rows_version += 1
 
         prompt, output = state.prompt_token_ids, state.output_token_ids
         num_tokens = len(prompt) + len(output)
@@ -134,6 +137,7 @@ class InputBatch:
         if row is None:
             return None
         self.req_ids[row] = None
+        self.rows_version += 1
         self.sampling_params[row] = None
         self.output_token_ids[row] = []
         self._holes.append(row)
@@ -145,6 +149,15 @@ class InputBatch:
         n = self.num_tokens[row]
         self.token_ids_cpu[row, n] = token_id
         self.num_tokens[row] = n + 1
+
+    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """Appends token_ids[i] to row rows[i] (distinct rows), to its token ids and its output token ids."""
+        num_tokens = self.num_tokens[rows]
+        self.token_ids_cpu[rows, num_tokens] = token_ids
+        self.num_tokens[rows] = num_tokens + 1
+        output_token_ids = self.output_token_ids
+        for row, token_id in zip(rows.tolist(), token_ids):
+            output_token_ids[row].append(token_id)
 
     def condense(self) -> None:
         """Move tail rows into holes so the live rows are exactly 0..num_reqs-1."""
@@ -163,6 +176,7 @@ class InputBatch:
         req_id = self.req_ids[src]
         assert req_id is not None and self.req_ids[dst] is None
         self.req_ids[dst], self.req_ids[src] = req_id, None
+        self.rows_version += 1
         self.req_id_to_index[req_id] = dst
         n = self.num_tokens[src]
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]

@@ -23,7 +23,7 @@ from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutp
 from runner.parallel_state import get_pp_group
 from runner.prompt_logprobs import PromptLogprobsProcessor
 from runner.sampler import Sampler
-from runner.sampling_inputs import make_sampling_metadata, to_logprobs_lists
+from runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_lists
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -56,6 +56,7 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(config.cache_config.attention_backend, device, self.dtype,
                                              self.block_size)
         self.sampler = Sampler()
+        self.sampling_metadata = SamplingMetadataBuilder(model_info.eos_token_ids, device)
         self.prompt_logprobs = PromptLogprobsProcessor(self.max_num_reqs)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -150,17 +151,19 @@ class ModelRunner:
             return None  # non-last pipeline stage, or execute_model already answered
         self.execute_model_state = None
         batch = self.input_batch
-        metadata = make_sampling_metadata(batch, state.sampling_rows, self.model_info.eos_token_ids, self.device)
-        sampler_output = self.sampler(state.logits, metadata)
+        rows = state.sampling_rows
+        sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
         sampled = sampler_output.sampled_token_ids.tolist()
+        batch.append_sampled(rows, sampled)
 
         req_ids = batch.req_ids[: batch.num_reqs]
-        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
-        for row, token in zip(state.sampling_rows.tolist(), sampled):
-            batch.append_token(row, token)
-            batch.output_token_ids[row].append(token)
-            sampled_token_ids[row] = [token]
-        logprobs = to_logprobs_lists(batch, state.sampling_rows, sampler_output.logprobs_tensors)
+        if len(sampled) == len(req_ids):  # every row samples, in row order
+            sampled_token_ids = [[token] for token in sampled]
+        else:
+            sampled_token_ids = [[] for _ in req_ids]
+            for row, token in zip(rows.tolist(), sampled):
+                sampled_token_ids[row] = [token]
+        logprobs = to_logprobs_lists(batch, rows, sampler_output.logprobs_tensors)
         return ModelRunnerOutput(list(req_ids), sampled_token_ids, logprobs, self.prompt_logprobs.pop_completed())
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -169,9 +172,9 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             self.prompt_logprobs.remove_request(req_id)
             batch.remove_request(req_id)
-        # Requests not scheduled this step leave the batch but keep their state.
-        scheduled = scheduler_output.num_scheduled_tokens
-        for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
+        # Requests not scheduled this step leave the batch but keep their state (the order of removals does not
+        # matter: holes are refilled lowest first).
+        for req_id in batch.req_id_to_index.keys() - scheduler_output.num_scheduled_tokens.keys():
             batch.remove_request(req_id)
 
         for new in scheduler_output.scheduled_new_reqs:
@@ -182,42 +185,55 @@ class ModelRunner:
             self.prompt_logprobs.add_request(new)
 
         cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            state.block_ids.extend(cached.new_block_ids[i])
-            row = batch.req_id_to_index.get(req_id)
+        requests, req_id_to_index = self.requests, batch.req_id_to_index
+        # Rows already in the batch get their computed-token counts in one numpy write.
+        rows: list[int] = []
+        rows_num_computed: list[int] = []
+        for i, (req_id, new_block_ids, num_computed) in enumerate(
+                zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)):
+            state = requests[req_id]
+            state.num_computed_tokens = num_computed
+            row = req_id_to_index.get(req_id)
             if row is None:
-                batch.add_request(state)
-                row = batch.req_id_to_index[req_id]
+                state.block_ids.extend(new_block_ids)
+                row = batch.add_request(state)
             else:
-                batch.block_table.append_row(row, cached.new_block_ids[i])
-                batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+                if new_block_ids:  # most decode steps need no new block
+                    state.block_ids.extend(new_block_ids)
+                    batch.block_table.append_row(row, new_block_ids)
+                rows.append(row)
+                rows_num_computed.append(num_computed)
             # Only ranks that did not sample these tokens themselves (PP > 1) are sent them.
             if cached.new_token_ids and cached.new_token_ids[i] and not get_pp_group().is_last_rank:
                 for token in cached.new_token_ids[i]:
                     batch.append_token(row, token)
                     state.output_token_ids.append(token)
+        if rows:
+            batch.num_computed_tokens_cpu[rows] = rows_num_computed
         batch.condense()
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput
                         ) -> tuple[CommonAttentionMetadata, int, np.ndarray, torch.Tensor]:
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        num_scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]],
-                                 dtype=np.int64)
-        num_tokens = int(num_scheduled.sum())
+        num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        num_scheduled = np.array([num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64)
+        cu_num_tokens = num_scheduled.cumsum()
+        num_tokens = int(cu_num_tokens[-1])
         assert num_tokens == scheduler_output.total_num_scheduled_tokens
 
-        cu_num_tokens = np.cumsum(num_scheduled)
-        req_indices = np.repeat(self._arange[:num_reqs], num_scheduled)
-        offsets = self._arange[:num_tokens] - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
         computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         positions = self.positions.np[:num_tokens]
-        np.add(computed[req_indices], offsets, out=positions)
+        if num_tokens == num_reqs:  # one token per request (decode): token i belongs to row i
+            req_indices = self._arange[:num_reqs]
+            positions[:] = computed
+        else:
+            req_indices = self._arange[:num_reqs].repeat(num_scheduled)
+            offsets = self._arange[:num_tokens] - (cu_num_tokens - num_scheduled).repeat(num_scheduled)
+            np.add(computed[req_indices], offsets, out=positions)
 
         token_index = positions + req_indices * batch.max_model_len
-        np.take(batch.token_ids_cpu.ravel(), token_index, out=self.input_ids.np[:num_tokens])
+        batch.token_ids_cpu.ravel().take(token_index, out=self.input_ids.np[:num_tokens])
         block_index = req_indices * self.max_blocks_per_req + positions // self.block_size
         block_numbers = batch.block_table.table.ravel()[block_index].astype(np.int64)
         np.add(block_numbers * self.block_size, positions % self.block_size, out=self.slot_mapping.np[:num_tokens])

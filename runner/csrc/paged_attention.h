@@ -61,6 +61,12 @@ inline vec16 tile_scores(const float* q, const float* k_tile, int64_t head_size,
   return (c0 + c1) + (c2 + c3);
 }
 
+// Loads a key tile (head_size rows of kTile keys) and a value tile (kTile rows of head_size) into cache.
+inline void prefetch_tile(const float* k_tile, int64_t head_size, int64_t block_size, const float* v_tile) {
+  for (int64_t d = 0; d < head_size; ++d) __builtin_prefetch(k_tile + d * block_size);
+  for (int64_t i = 0; i < kTile * head_size; i += kTile) __builtin_prefetch(v_tile + i);
+}
+
 // max(s[0:n]) for 1 <= n <= kTile, as a tree rather than a chain of dependent compares.
 inline float tile_max(const float* s, int64_t n) {
   float m[kTile];
@@ -147,6 +153,13 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
         const int64_t block = blocks[start / block_size], offset = start % block_size;
         const float* k_tile = kc + (block * num_kv_heads + kv_head) * tile + offset;
         const float* v_tile = vc + (block * num_kv_heads + kv_head) * tile + offset * head_size;
+        const int64_t next = start + kTile;
+        if (next < num_keys) {
+          // Blocks lie anywhere in the pool, beyond the hardware prefetcher's reach: ask for the next tile now.
+          const int64_t next_block = blocks[next / block_size], next_offset = next % block_size;
+          prefetch_tile(kc + (next_block * num_kv_heads + kv_head) * tile + next_offset, head_size, block_size,
+                        vc + (next_block * num_kv_heads + kv_head) * tile + next_offset * head_size);
+        }
         for (int64_t row = 0; row < rows; ++row) {
           const int64_t visible = std::min(kTile, first_pos + row / group + 1 - start);  // causal limit
           if (visible <= 0) continue;
