@@ -19,6 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _enabled = True
 
 
@@ -48,10 +49,12 @@ def load() -> ModuleType | None:
     from torch.utils.cpp_extension import load as load_extension
 
     sources = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.[ch]*")))
-    digest = hashlib.sha1(sources + _cpu_flags().encode()).hexdigest()[:12]
+    digest = hashlib.sha1(sources + " ".join(_CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:12]
     try:
-        return load_extension(name=f"raylm_cpu_kernels_{digest}2", sources=[str(_CSRC / "cpu_kernels.cpp")],
-                              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        # -fopenmp: at::parallel_for is a header template, so it runs threads only when this build has OpenMP
+        # (libgomp resolves to the copy torch already loaded).
+        return load_extension(name=f"raylm_cpu_kernels_{digest}", sources=[str(_CSRC / "cpu_kernels.cpp")],
+                              extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no ninja, a sandbox without a writable cache, ...
         logger.warning("raylm CPU kernels unavailable, using plain torch ops: %s", exc)
         return None
