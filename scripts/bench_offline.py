@@ -31,7 +31,9 @@ PRESETS = {
     "tiny": dict(),
     "100m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=3072),
 }
-ENGINE_SETTINGS = dict(max_num_seqs=64, max_num_batched_tokens=2048)
+# Prefix caching off in both engines: each timed run repeats the warm-up's prompts, which a warm prefix cache
+# would skip (vLLM enables it by default).
+ENGINE_SETTINGS = dict(max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
 
 _VLLM_RUNNER = """
 import json, sys, time
@@ -64,7 +66,7 @@ def bench_raylm(model: Path, prompts: list[list[int]], output_lens: list[int], m
                 runs: int) -> list[float]:
     from cluster import LLM, SamplingParams
 
-    llm = LLM(model=str(model), max_model_len=max_model_len, enable_prefix_caching=False, **ENGINE_SETTINGS)
+    llm = LLM(model=str(model), max_model_len=max_model_len, **ENGINE_SETTINGS)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in output_lens]
     llm.generate(inputs, params, use_tqdm=False)  # warm-up: first-seen shapes are slow on CPU
