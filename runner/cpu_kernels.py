@@ -1,15 +1,17 @@
 """raylm's fused float32 CPU kernels (`runner/csrc/`), built on first use.
 
-torch's C++ extension loader compiles them once per machine (~20 s, cached under
-TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); the build name carries a hash of the source and
-of the CPU's instruction set, because the build targets `-march=native`. Without a C++ compiler, or with
-`custom_ops="none"`, every layer keeps its plain-torch path.
+torch's C++ extension loader compiles them once per machine (~20 s; needs a C++ compiler and ninja) and caches
+the build under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). The build name carries a hash of the
+sources, the flags and the CPU's instruction set, because the build targets `-march=native`. Where the build
+fails, or with `custom_ops="none"`, every layer keeps its plain-torch path.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
+import shutil
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -43,11 +45,23 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _put_ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH; the `ninja` wheel's binary sits in the venv, which an unactivated
+    `.venv/bin/python` does not put there."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @cache
 def load() -> ModuleType | None:
     """The compiled kernels, or None (with one warning) when they cannot be built here."""
     from torch.utils.cpp_extension import load as load_extension
 
+    _put_ninja_on_path()
     sources = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.[ch]*")))
     digest = hashlib.sha1(sources + " ".join(_CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:12]
     try:

@@ -119,3 +119,10 @@ def test_backend_choice_and_errors() -> None:
 def test_disabled_kernels_pick_the_torch_backend(plain_torch: None) -> None:
     assert isinstance(get_attn_backend("auto", "cpu", torch.float32, 16), TorchAttentionBackend)
     assert cpu_kernels.ops_for(torch.zeros(1)) is None
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(cpu_kernels, "_CFLAGS", ["-fno-such-flag-raylm"])
+    assert cpu_kernels.load.__wrapped__() is None  # the uncached function: a fresh build attempt
+    assert "raylm CPU kernels unavailable, using plain torch ops" in caplog.text
