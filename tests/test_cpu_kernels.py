@@ -3,6 +3,7 @@ torch backend on the same batches and the same (logical) cache contents."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import pytest
@@ -24,20 +25,24 @@ HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 24, 16, 24
 T = TypeVar("T")
 
 
+@contextmanager
+def kernels_off() -> Iterator[None]:
+    cpu_kernels.set_enabled(False)
+    try:
+        yield
+    finally:
+        cpu_kernels.set_enabled(True)
+
+
 @pytest.fixture
 def plain_torch() -> Iterator[None]:
-    """Run the test with the kernels switched off, then switch them back on."""
-    cpu_kernels.set_enabled(False)
-    yield
-    cpu_kernels.set_enabled(True)
+    with kernels_off():
+        yield
 
 
 def _without_kernels(fn: Callable[..., T], *args: Any) -> T:
-    cpu_kernels.set_enabled(False)
-    try:
+    with kernels_off():
         return fn(*args)
-    finally:
-        cpu_kernels.set_enabled(True)
 
 
 def test_rms_norm_and_fused_residual_add() -> None:
