@@ -39,7 +39,10 @@ class CacheConfig(_Section):
 class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
-    data_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1, description="engine replicas, each a Ray actor with its own workers")
+    data_parallel_backend: Literal["ray"] = Field("ray", description="how DP engines run: one Ray actor each")
+    enable_expert_parallel: bool = Field(
+        False, description="MoE: split the experts over the DP x TP ranks of a stage instead of sharding each by TP")
     distributed_executor_backend: Literal["uni", "ray"] | None = Field(
         None, description="None: uni for one device, ray for more")
     placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
@@ -47,6 +50,7 @@ class ParallelConfig(_Section):
 
     @property
     def world_size(self) -> int:
+        """Devices of one engine (one DP rank)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 

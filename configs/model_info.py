@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from configs.engine_config import ModelConfig
+from configs.engine_config import ModelConfig, ParallelConfig
 
 _DTYPES = {"float32", "float16", "bfloat16"}
 
@@ -21,6 +21,27 @@ class ModelInfo:
     max_model_len: int
     dtype: str  # "float32" | "float16" | "bfloat16"
     eos_token_ids: tuple[int, ...]
+    num_experts: int = 0  # routed experts per MoE layer; 0 for a dense model
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def dp_lockstep(self, parallel: ParallelConfig) -> bool:
+        """Whether the DP engines step in lock-step: MoE with expert parallel over more than one DP rank, whose
+        expert all_to_all every DP rank must join on every forward. Otherwise DP engines are independent."""
+        return self.is_moe and parallel.enable_expert_parallel and parallel.data_parallel_size > 1
+
+    def check_parallel(self, parallel: ParallelConfig) -> None:
+        """Reject parallel settings this checkpoint cannot honour."""
+        if parallel.enable_expert_parallel and not self.is_moe:
+            raise ValueError(f"enable_expert_parallel: {self.architecture} has no experts (not a MoE model)")
+        if parallel.enable_expert_parallel:
+            ep_size = parallel.tensor_parallel_size * (parallel.data_parallel_size if self.dp_lockstep(parallel)
+                                                       else 1)
+            if self.num_experts % ep_size:
+                raise ValueError(f"enable_expert_parallel: {self.num_experts} experts cannot be split evenly over "
+                                 f"{ep_size} expert-parallel ranks (data_parallel_size x tensor_parallel_size)")
 
 
 def read_model_info(model_config: ModelConfig, device_type: str) -> ModelInfo:
@@ -49,6 +70,7 @@ def read_model_info(model_config: ModelConfig, device_type: str) -> ModelInfo:
         max_model_len=max_model_len,
         dtype=_resolve_dtype(model_config.dtype, text_config, device_type),
         eos_token_ids=_eos_token_ids(path, hf),
+        num_experts=int(text_config.get("num_experts") or text_config.get("num_local_experts") or 0),
     )
 
 

@@ -9,12 +9,15 @@ from typing import Any
 from configs import EngineConfig
 from configs.model_info import ModelInfo
 from runner.outputs import ModelRunnerOutput, SchedulerOutput
+from runner.parallel_state import NO_DATA_PARALLEL, DataParallelInfo
 
 
 class Executor(ABC):
-    def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo,
+                 data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
         self.config = config
         self.model_info = model_info
+        self.data_parallel = data_parallel
         self._init_executor()
 
     @staticmethod
@@ -53,6 +56,10 @@ class Executor(ABC):
         """Sample the step execute_model started; the future holds None when execute_model already answered."""
 
     @abstractmethod
+    def execute_dummy_batch(self) -> Future[None]:
+        """A forward without requests on every worker: an idle lock-step DP engine's share of the collectives."""
+
+    @abstractmethod
     def check_health(self) -> None:
         """Raise if any worker is dead."""
 
@@ -64,6 +71,8 @@ class Executor(ABC):
         """Steps the engine keeps in flight: one per pipeline stage, plus one being scheduled ahead (async
         scheduling) while the others run."""
         pp = self.config.parallel_config.pipeline_parallel_size
+        if self.data_parallel.size > 1:
+            return 1  # lock-step: one forward per engine step on every worker, so idle ranks can match it
         return pp + 1 if self.config.scheduler_config.async_scheduling else pp
 
     def determine_num_blocks(self) -> int:

@@ -24,7 +24,7 @@ PG_READY_TIMEOUT_S = 1800.0  # a cluster may be scaling up to fit the group
 _LOCALHOST = "127.0.0.1"
 
 
-def initialize_ray_cluster(world_size: int) -> None:
+def initialize_ray_cluster(num_bundles: int) -> None:
     """Connect to Ray: the one already initialised, the cluster at RAY_ADDRESS (`auto` for a `ray start` cluster on
     this machine), or a new local one of our own."""
     if ray.is_initialized():
@@ -32,9 +32,9 @@ def initialize_ray_cluster(world_size: int) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
         return
-    # Declare enough CPUs for the engine's bundle and one per worker even on a small machine: CPU workers share
-    # the cores through torch's thread count, not through Ray.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size + 1))
+    # Declare a CPU for each bundle (engines' and workers') even on a small machine: CPU workers share the cores
+    # through torch's thread count, not through Ray.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_bundles))
 
 
 def resolve_device(model_config: ModelConfig) -> str:
@@ -46,8 +46,35 @@ def resolve_device(model_config: ModelConfig) -> str:
 
 def placement_bundles(world_size: int, device: str) -> list[dict[str, float]]:
     """The engine's bundle, then one per worker: also what a Ray Serve replica passes as placement_group_bundles."""
-    worker_bundle = {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
-    return [{"CPU": 1.0}] + [dict(worker_bundle) for _ in range(world_size)]
+    return [{"CPU": 1.0}] + [_device_bundle(device) for _ in range(world_size)]
+
+
+def _device_bundle(device: str) -> dict[str, float]:
+    return {"GPU": 1.0} if device == "cuda" else {"CPU": 1.0}
+
+
+def reserve_dp_placement_groups(parallel_config: ParallelConfig, device: str, in_process_worker: bool
+                                ) -> list[PlacementGroup]:
+    """One placement group per DP engine, each laid out by placement_bundles: the engine actor takes bundle 0 and its
+    RayExecutor the rest. An engine whose worker runs in its own process (in_process_worker: one device, the uni
+    executor) needs only its device's bundle."""
+    num_engines, world_size = parallel_config.data_parallel_size, parallel_config.world_size
+    bundles = [_device_bundle(device)] if in_process_worker else placement_bundles(world_size, device)
+    suffix = uuid.uuid4().hex[:8]
+    groups = [ray.util.placement_group(bundles, strategy=parallel_config.placement_group_strategy,
+                                       name=f"raylm-dp{rank}-{suffix}") for rank in range(num_engines)]
+    try:
+        for group in groups:
+            _wait_until_ready(group)
+    except BaseException:
+        for group in groups:
+            ray.util.remove_placement_group(group)
+        raise
+    return groups
+
+
+def bundle_node_ids(placement_group: PlacementGroup) -> dict[int, str]:
+    return ray.util.placement_group_table(placement_group)["bundles_to_node_id"]
 
 
 def sort_bundles_by_node(bundle_nodes: dict[int, str], engine_node_id: str) -> list[int]:
@@ -97,7 +124,7 @@ def create_placement_plan(parallel_config: ParallelConfig, device: str) -> Place
                                                    name=f"raylm-{uuid.uuid4().hex[:8]}")
     try:
         _wait_until_ready(placement_group)
-        bundle_nodes = ray.util.placement_group_table(placement_group)["bundles_to_node_id"]
+        bundle_nodes = bundle_node_ids(placement_group)
         if len(bundle_nodes) < world_size + 1:
             raise ValueError(f"placement group has {len(bundle_nodes)} bundles; the engine needs its own bundle and "
                              f"{world_size} worker bundles (see executor.placement.placement_bundles)")

@@ -45,7 +45,7 @@ class RayExecutor(Executor):
         self.rpc: RpcClient | None = None
         self._closing = threading.Event()
         self._monitor: threading.Thread | None = None
-        initialize_ray_cluster(self.layout.world_size)
+        initialize_ray_cluster(self.layout.world_size + 1)
         try:
             device = resolve_device(self.config.model_config)
             self.plan = create_placement_plan(parallel, device)
@@ -69,14 +69,16 @@ class RayExecutor(Executor):
             self.actor_names.append(name)
             self.worker_names.append(f"rank {rank} (TP {tp}, PP {pp}; actor {name} on {plan.node_ips[rank]})")
 
-        host = plan.rendezvous_host
-        port = ray.get(self.workers[0].create_store.remote(host))
+        init_method = self.data_parallel.init_method  # lock-step DP engines share one rendezvous
+        if init_method is None:
+            host = plan.rendezvous_host
+            init_method = f"tcp://{host}:{ray.get(self.workers[0].create_store.remote(host))}"
         # The workers resolve "auto" to the device chosen here, whatever their own node has.
         config = dataclasses.replace(self.config, model_config=self.config.model_config.model_copy(
             update={"device": device}))
         config_ref, model_info_ref = ray.put(config), ray.put(self.model_info)
-        _get_all([worker.init_worker.remote(config_ref, model_info_ref, f"tcp://{host}:{port}",
-                                            plan.num_local_workers(rank))
+        get_all([worker.init_worker.remote(config_ref, model_info_ref, init_method, plan.num_local_workers(rank),
+                                            self.data_parallel)
                   for rank, worker in enumerate(self.workers)])
 
         channel = DriverChannel(plan.control_host, len(self.workers))
@@ -85,7 +87,7 @@ class RayExecutor(Executor):
             channel.accept(_CONNECT_TIMEOUT_S, still_starting=lambda: not ray.wait(self.run_refs, timeout=0)[0])
         except BaseException:
             channel.close()
-            _get_all(ray.wait(self.run_refs, timeout=0)[0])  # a worker's own error says more than the timeout
+            get_all(ray.wait(self.run_refs, timeout=0)[0])  # a worker's own error says more than the timeout
             raise
         # A peer's error is often the echo of a death that Ray reports a moment later: wait a little for it.
         self.rpc = RpcClient(channel, self.worker_names, lambda: self._find_dead_worker(timeout=_DEATH_GRACE_S))
@@ -103,6 +105,9 @@ class RayExecutor(Executor):
 
     def sample_tokens(self) -> RpcFuture:
         return self._rpc().call("sample_tokens", reply_ranks=(self.output_rank,), unwrap=True, fatal=True)
+
+    def execute_dummy_batch(self) -> RpcFuture:
+        return self._rpc().call("execute_dummy_batch", reply_ranks=(self.output_rank,), unwrap=True, fatal=True)
 
     def check_health(self) -> None:
         rpc = self._rpc()
@@ -151,10 +156,11 @@ class RayExecutor(Executor):
         if not done or self._closing.is_set():
             return None
         rank = self.run_refs.index(done[0])
-        return f"RayExecutor: worker {self.worker_names[rank]} died: {_cause(done[0])}"
+        return f"RayExecutor: worker {self.worker_names[rank]} died: {death_cause(done[0])}"
 
 
-def _cause(run_ref: ray.ObjectRef) -> str:
+def death_cause(run_ref: ray.ObjectRef) -> str:
+    """Ray's word on why an actor's long-running call ended."""
     try:
         ray.get(run_ref, timeout=0)
     except RayActorError as err:
@@ -164,7 +170,7 @@ def _cause(run_ref: ray.ObjectRef) -> str:
     return "its run loop returned"
 
 
-def _get_all(refs: list[ray.ObjectRef]) -> None:
+def get_all(refs: list[ray.ObjectRef]) -> None:
     """Wait for every ref, raising the first error as soon as it is known (not after the slowest worker)."""
     pending = list(refs)
     while pending:

@@ -16,7 +16,8 @@ from worker import Worker
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.worker = Worker(self.config, self.model_info)
+        self.worker = Worker(self.config, self.model_info, distributed_init_method=self.data_parallel.init_method,
+                             data_parallel=self.data_parallel)
         self.worker.init_device()
         self.worker.load_model()
         self._thread: ThreadPoolExecutor | None = None
@@ -32,6 +33,9 @@ class UniProcExecutor(Executor):
 
     def sample_tokens(self) -> Future[ModelRunnerOutput | None]:
         return self._submit(self.worker.sample_tokens)
+
+    def execute_dummy_batch(self) -> Future[None]:
+        return self._submit(self.worker.execute_dummy_batch)
 
     def check_health(self) -> None:
         if not self.worker.check_health():

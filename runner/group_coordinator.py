@@ -61,6 +61,14 @@ class GroupCoordinator:
             dist.all_reduce(tensor, group=self.device_group)
         return tensor
 
+    def any_true(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank of the group: a small all-reduce over the CPU group."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return bool(value.item())
+
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenation of every rank's `tensor` along `dim`, in group order."""
         if self.world_size == 1:

@@ -1,7 +1,11 @@
 """The process groups of a parallel world: tensor (TP), pipeline (PP), data (DP) and expert (EP) parallel.
 
 Global rank = dp * (PP * TP) + pp * TP + tp. TP is innermost, so a TP group is a run of consecutive ranks and the
-executor can keep it on one node. EP spans DP x TP within one PP stage (for MoE models).
+executor can keep it on one node. EP spans DP x TP within one PP stage (for MoE models with expert parallel; without
+it each rank is its own EP group and MoE layers shard every expert by TP).
+
+DP ranks share one torch.distributed world only when they step in lock-step (MoE with expert parallel); independent
+DP engines each have a world of their own, where the DP size is 1.
 
 A world of one needs no torch.distributed: every collective is then the identity. A larger one needs
 `init_distributed_environment` first; every rank then creates every group, in the same order, as
@@ -55,9 +59,30 @@ class RankLayout:
         return [[self.rank(d, p, t) for d in range(self.dp_size) for t in range(self.tp_size)]
                 for p in range(self.pp_size)]
 
+    @property
+    def ep_size(self) -> int:
+        return self.dp_size * self.tp_size
+
     def output_rank(self) -> int:
         """The rank that reports a step's sampled tokens: the first TP rank of the last PP stage (of DP rank 0)."""
         return self.rank(0, self.pp_size - 1, 0)
+
+
+@dataclass(frozen=True)
+class DataParallelInfo:
+    """Where one engine sits among the DP engines that share its torch.distributed world: `size` 1 (the default)
+    for an engine alone in its world. `init_method` is the shared rendezvous, needed when size > 1."""
+
+    rank: int = 0
+    size: int = 1
+    init_method: str | None = None
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.size
+        assert self.size == 1 or self.init_method is not None, "DP ranks in one world need a shared rendezvous"
+
+
+NO_DATA_PARALLEL = DataParallelInfo()  # an engine alone in its world
 
 
 _TP: GroupCoordinator | None = None
@@ -72,14 +97,15 @@ def init_distributed_environment(world_size: int, rank: int, init_method: str | 
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 
-def init_model_parallel(tp_size: int = 1, pp_size: int = 1, dp_size: int = 1, backend: str | None = None) -> None:
+def init_model_parallel(tp_size: int = 1, pp_size: int = 1, dp_size: int = 1, enable_expert_parallel: bool = False,
+                        backend: str | None = None) -> None:
     """Create this process's TP, PP, DP and EP groups (`backend` None: the default group's). Calling it again with
     the same sizes is a no-op."""
     global _TP, _PP, _DP, _EP
     layout = RankLayout(tp_size, pp_size, dp_size)
     if _TP is not None:
         current = RankLayout(_TP.world_size, get_pp_group().world_size, get_dp_group().world_size)
-        if current != layout:
+        if current != layout or (get_ep_group().world_size > 1) != (enable_expert_parallel and layout.ep_size > 1):
             raise RuntimeError(f"model parallel already initialised as {current}; asked for {layout} "
                                f"(call destroy_model_parallel first)")
         return
@@ -97,7 +123,8 @@ def init_model_parallel(tp_size: int = 1, pp_size: int = 1, dp_size: int = 1, ba
     _TP = _make_group(layout.tp_groups(), backend, device, groups)
     _PP = _make_group(layout.pp_groups(), backend, device, groups)
     _DP = _make_group(layout.dp_groups(), backend, device, groups)
-    _EP = _make_group(layout.ep_groups(), backend, device, groups)
+    ep_groups = layout.ep_groups() if enable_expert_parallel else [[rank] for rank in range(layout.world_size)]
+    _EP = _make_group(ep_groups, backend, device, groups)
 
 
 def _make_group(group_ranks: list[list[int]], backend: str, device: torch.device,

@@ -25,3 +25,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_path(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch -> folder: random-weight Mixtral and Qwen3-MoE checkpoints (4 experts, top-2, per-expert weight layout);
+    the Qwen3-MoE one has a dense first layer and does not renormalise its top-k weights."""
+    root = tmp_path_factory.mktemp("moe_checkpoints")
+    common = dict(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=512, num_experts=4,
+                  num_experts_per_tok=2)
+    return {
+        "mixtral": make_tiny_model(root / "mixtral", arch="mixtral", **common),
+        "qwen3_moe": make_tiny_model(root / "qwen3_moe", arch="qwen3_moe", moe_intermediate_size=64,
+                                     mlp_only_layers=[0], norm_topk_prob=False, **common),
+    }

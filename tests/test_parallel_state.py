@@ -62,7 +62,7 @@ def test_pp_layer_partition_override() -> None:
 def _check_groups(rank: int, layout: RankLayout, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_distributed_environment(layout.world_size, rank, f"file://{store}", "gloo")
-    init_model_parallel(layout.tp_size, layout.pp_size, layout.dp_size)
+    init_model_parallel(layout.tp_size, layout.pp_size, layout.dp_size, enable_expert_parallel=True)
     dp, pp, tp = layout.coords(rank)
     for group, groups in [(get_tp_group(), layout.tp_groups()), (get_pp_group(), layout.pp_groups()),
                           (get_dp_group(), layout.dp_groups()), (get_ep_group(), layout.ep_groups())]:

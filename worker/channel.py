@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import pickle
 import secrets
+import select
 import socket
 import struct
 import time
@@ -108,7 +109,7 @@ class DriverChannel:
 
 
 class WorkerChannel:
-    """A worker's end: receives the executor's requests and sends replies."""
+    """A worker's end (or a DP engine's, towards its client): receives requests and sends replies."""
 
     def __init__(self, address: tuple[str, int], rank: int, token: str, timeout: float = 60.0) -> None:
         self._sock = _tune(socket.create_connection(address, timeout=timeout))
@@ -117,6 +118,10 @@ class WorkerChannel:
 
     def recv(self) -> Any:
         return pickle.loads(recv_frame(self._sock))
+
+    def poll(self, timeout: float | None) -> bool:
+        """Whether a frame is waiting (within `timeout` seconds; None: wait for one)."""
+        return bool(select.select([self._sock], [], [], timeout)[0])
 
     def send(self, obj: Any) -> None:
         send_frame(self._sock, pickle.dumps(obj, protocol=_PICKLE_PROTOCOL))

@@ -16,6 +16,7 @@ from torch.distributed import TCPStore
 
 from configs import EngineConfig
 from configs.model_info import ModelInfo
+from runner.parallel_state import DataParallelInfo
 from runner.platform import device_type
 from worker.channel import WorkerChannel
 from worker.worker import Worker
@@ -50,7 +51,7 @@ class RayWorkerWrapper:
         return self._store.port
 
     def init_worker(self, config: EngineConfig, model_info: ModelInfo, distributed_init_method: str,
-                    num_local_workers: int) -> None:
+                    num_local_workers: int, data_parallel: DataParallelInfo) -> None:
         """Build the Worker on the device Ray assigned, join the process groups and load the model."""
         local_rank, num_threads = 0, None
         if device_type(config.model_config) == "cuda":
@@ -59,7 +60,8 @@ class RayWorkerWrapper:
             local_rank = cuda_device_index(gpu_ids[0], os.environ.get("CUDA_VISIBLE_DEVICES"))
         else:
             num_threads = max(1, _num_cores() // num_local_workers)
-        self.worker = Worker(config, model_info, self.rank, local_rank, distributed_init_method, num_threads)
+        self.worker = Worker(config, model_info, self.rank, local_rank, distributed_init_method, num_threads,
+                             data_parallel)
         self.worker.init_device()
         self.worker.load_model()
 

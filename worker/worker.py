@@ -10,7 +10,14 @@ from configs import EngineConfig
 from configs.model_info import ModelInfo
 from runner.model_runner import ModelRunner
 from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
-from runner.parallel_state import get_pp_group, init_distributed_environment, init_model_parallel
+from runner.parallel_state import (
+    NO_DATA_PARALLEL,
+    DataParallelInfo,
+    get_dp_group,
+    get_pp_group,
+    init_distributed_environment,
+    init_model_parallel,
+)
 from runner.platform import device_type
 
 _GIB = 1 << 30
@@ -18,10 +25,12 @@ _GIB = 1 << 30
 
 class Worker:
     def __init__(self, config: EngineConfig, model_info: ModelInfo, rank: int = 0, local_rank: int = 0,
-                 distributed_init_method: str | None = None, num_threads: int | None = None) -> None:
+                 distributed_init_method: str | None = None, num_threads: int | None = None,
+                 data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
         self.config = config
         self.model_info = model_info
-        self.rank = rank
+        self.rank = rank  # within the engine; the global rank adds data_parallel.rank * world_size
+        self.data_parallel = data_parallel
         self.local_rank = local_rank  # the CUDA device index in this process
         self.distributed_init_method = distributed_init_method
         self.num_threads = num_threads
@@ -39,8 +48,11 @@ class Worker:
                 torch.set_num_threads(self.num_threads)
         parallel = self.config.parallel_config
         backend = "nccl" if kind == "cuda" else "gloo"
-        init_distributed_environment(parallel.world_size, self.rank, self.distributed_init_method, backend)
-        init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, backend=backend)
+        dp = self.data_parallel
+        init_distributed_environment(dp.size * parallel.world_size, dp.rank * parallel.world_size + self.rank,
+                                     self.distributed_init_method, backend)
+        init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, dp.size,
+                            parallel.enable_expert_parallel, backend=backend)
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.model_info, self.device)
 
@@ -85,6 +97,21 @@ class Worker:
 
     def sample_tokens(self) -> ModelRunnerOutput | None:
         return self._runner().sample_tokens()
+
+    def execute_dummy_batch(self) -> None:
+        """A forward with no requests, so that this idle DP rank joins the collectives of the ranks that have work.
+        Every pipeline stage runs its own (no stage-to-stage traffic): only the DP and EP groups need the call."""
+        self._runner().execute_dummy_batch()
+
+    def forward_counts(self) -> tuple[int, int]:
+        """(forwards run, DP batch coordinations joined) so far: equal on every rank of lock-step DP engines."""
+        runner = self._runner()
+        return runner.num_forwards, runner.num_dp_coordinations
+
+    def has_unfinished_across_dp(self, has_unfinished: bool) -> bool:
+        """Whether any lock-step DP engine still has requests: every DP rank asks at the same step, so this collective
+        pairs up like the forwards do."""
+        return get_dp_group().any_true(has_unfinished)
 
     def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`method` by name, or a function called as `method(worker, *args, **kwargs)`."""

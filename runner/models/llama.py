@@ -28,6 +28,9 @@ from runner.outputs import IntermediateTensors
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+# The part of a packed parameter a checkpoint tensor fills: "q"/"k"/"v", an output index, or (expert id, "w1"/"w2"/"w3")
+ShardId = str | int | tuple[int, str] | None
+
 
 class LlamaMLP(nn.Module):
     # On CPU a long batch runs in chunks of this many tokens, so that the [tokens, 2 * intermediate] activation
@@ -81,14 +84,18 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = self.make_attention(config, layer_idx)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            bias=getattr(config, "mlp_bias", False))
+        self.mlp = self.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def make_attention(self, config: PretrainedConfig, layer_idx: int) -> LlamaAttention:
         bias = getattr(config, "attention_bias", False)
         return LlamaAttention(config, layer_idx, qkv_bias=bias, o_bias=bias)
+
+    def make_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        """Hook for models whose feed-forward differs (MoE layers); `layer_idx` picks it per layer."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                        bias=getattr(config, "mlp_bias", False))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
     # (parameter name part, checkpoint name part, shard id)
-    stacked_params_mapping: ClassVar[list[tuple[str, str, str | int]]] = [
+    stacked_params_mapping: ClassVar[list[tuple[str, str, ShardId]]] = [
         (".qkv_proj.", ".q_proj.", "q"),
         (".qkv_proj.", ".k_proj.", "k"),
         (".qkv_proj.", ".v_proj.", "v"),
@@ -174,22 +181,28 @@ class LlamaForCausalLM(nn.Module):
                                         device: torch.device | str) -> IntermediateTensors:
         return make_empty_intermediate_tensors(num_tokens, self.config.hidden_size, dtype, device)
 
-    def _expected_shards(self, param_name: str) -> set[str | int | None]:
-        return {shard for part, _, shard in self.stacked_params_mapping if part in param_name} or {None}
+    def get_expert_mapping(self) -> list[tuple[str, str, ShardId]]:
+        """(parameter name part, checkpoint name part, shard id) of every expert weight: empty here, MoE models
+        override it. Tried before stacked_params_mapping, whose `.gate_proj.` also matches an expert's name."""
+        return []
+
+    def _expected_shards(self, param_name: str, mapping: list[tuple[str, str, ShardId]]) -> set[ShardId]:
+        return {shard for part, _, shard in mapping if part in param_name} or {None}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load full checkpoint tensors (each TP rank keeps its shard); weights of modules another pipeline
         stage owns are skipped. Returns the parameter names loaded completely (every shard of a packed one)."""
         params = dict(self.named_parameters())
         missing_prefixes = pp_missing_prefixes(self)
-        loaded: dict[str, set[str | int | None]] = defaultdict(set)
+        mapping = [*self.get_expert_mapping(), *self.stacked_params_mapping]
+        loaded: dict[str, set[ShardId]] = defaultdict(set)
         for name, loaded_weight in weights:
             if "rotary_emb.inv_freq" in name or name.startswith(missing_prefixes):
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # the same tensor as the embedding
-            shard_id: str | int | None = None
-            for param_part, weight_part, shard in self.stacked_params_mapping:
+            shard_id: ShardId = None
+            for param_part, weight_part, shard in mapping:
                 if weight_part in name:
                     name, shard_id = name.replace(weight_part, param_part), shard
                     break
@@ -198,4 +211,4 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             getattr(param, "weight_loader", default_weight_loader)(param, loaded_weight, shard_id)
             loaded[name].add(shard_id)
-        return {name for name, shards in loaded.items() if shards == self._expected_shards(name)}
+        return {name for name, shards in loaded.items() if shards == self._expected_shards(name, mapping)}

@@ -6,8 +6,10 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from runner.models.llama import LlamaForCausalLM
+from runner.models.mixtral import MixtralForCausalLM
 from runner.models.qwen2 import Qwen2ForCausalLM
 from runner.models.qwen3 import Qwen3ForCausalLM
+from runner.models.qwen3_moe import Qwen3MoeForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -16,6 +18,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
