@@ -1,12 +1,18 @@
 """ModelRunner: everything one device does in a step.
 
 execute_model: apply the scheduler's diff to the persistent InputBatch, prepare the packed
-inputs into persistent buffers, run the forward, keep the logits (ExecuteModelState).
+inputs into persistent buffers, decide how the batch runs, run the forward, keep the logits (ExecuteModelState).
 sample_tokens: sample from the kept logits and append the tokens to the batch.
+
+Every forward (a step, a dummy batch, the profile run) goes through `_determine_batch_execution_and_padding` and
+then `_run_forward`, the only caller of the model: under lock-step data parallel each forward joins the DP ranks'
+coordination, so no rank can skip a collective the others wait in.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,15 +21,21 @@ from configs import EngineConfig
 from configs.model_info import ModelInfo
 from runner import cpu_kernels
 from runner.attention import get_attn_backend
-from runner.attention.common import CommonAttentionMetadata
+from runner.attention.backend import AttentionMetadata
+from runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
+from runner.dp_utils import coordinate_batch_across_dp
 from runner.forward_context import set_forward_context
+from runner.group_coordinator import GroupCoordinator
 from runner.input_batch import CachedRequestState, InputBatch
+from runner.input_buffers import InputBuffersMixin
 from runner.models.loader import load_model
 from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
-from runner.parallel_state import get_pp_group
+from runner.parallel_state import get_dp_group, get_pp_group
 from runner.prompt_logprobs import PromptLogprobsProcessor
 from runner.sampler import Sampler
 from runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_lists
+
+logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -37,7 +49,17 @@ class ExecuteModelState:
     sampling_rows: np.ndarray  # InputBatch rows that sample, in logits order
 
 
-class ModelRunner:
+class _CallCounter:
+    """A forward pre-hook that counts calls. Not a runner method: the model would then keep the runner alive."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        self.count += 1
+
+
+class ModelRunner(InputBuffersMixin):
     def __init__(self, config: EngineConfig, model_info: ModelInfo, device: torch.device) -> None:
         self.config = config
         self.model_info = model_info
@@ -61,15 +83,12 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
-
-        # Persistent input buffers: allocated once at max size, each step writes a prefix.
-        self.input_ids = _Buffer(self.max_num_tokens, torch.int64, device)
-        self.positions = _Buffer(self.max_num_tokens, torch.int64, device)
-        self.slot_mapping = _Buffer(self.max_num_tokens, torch.int64, device)
-        self.query_start_loc = _Buffer(self.max_num_reqs + 1, torch.int32, device)
-        self.seq_lens = _Buffer(self.max_num_reqs, torch.int32, device)
-        self.block_table = torch.zeros((self.max_num_reqs, self.max_blocks_per_req), dtype=torch.int32, device=device)
-        self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+        self._init_input_buffers()
+        # Known at load_model (a runner is built before, and tested without, the process groups).
+        self.dp_group: GroupCoordinator | None = None
+        # For tests: under lock-step DP every forward is coordinated, so the two are always equal.
+        self._forward_counter = _CallCounter()
+        self.num_dp_coordinations = 0
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -79,6 +98,13 @@ class ModelRunner:
         self.model = load_model(self.model_info.path, dtype=self.dtype, device=self.device,
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
                                 partition=parallel.pp_layer_partition)
+        self.dp_group = get_dp_group()
+        # A hook counts every forward, on whatever path it comes.
+        self.model.register_forward_pre_hook(self._forward_counter)
+
+    @property
+    def num_forwards(self) -> int:
+        return self._forward_counter.count
 
     def attention_layers(self) -> list[torch.nn.Module]:
         from runner.layers.attention import Attention
@@ -105,17 +131,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """A max-size forward without attention metadata, to measure peak activation memory."""
-        assert self.model is not None
-        num_tokens = self.max_num_tokens
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
-        pp = get_pp_group()
-        intermediate = None if pp.is_first_rank else self.model.make_empty_intermediate_tensors(
-            num_tokens, self.dtype, self.device)
-        with set_forward_context(None, num_tokens):
-            hidden = self.model(ids, positions, intermediate)
-        if pp.is_last_rank:
+        """A max-size dummy forward, to measure peak activation memory."""
+        hidden = self._dummy_run(self.max_num_tokens, uniform_decode=False)
+        if get_pp_group().is_last_rank:
+            assert self.model is not None and isinstance(hidden, torch.Tensor)
             # A full batch of float32 logits is what the sampler adds to the peak.
             self.model.compute_logits(hidden[: self.max_num_reqs]).float().argmax(dim=-1)
 
@@ -130,15 +149,22 @@ class ModelRunner:
                                "were never sampled")
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
+            if self.dp_group is not None and self.dp_group.world_size > 1:
+                # The other DP ranks' forwards wait for this one in their collectives.
+                self._dummy_run(1)
             return ModelRunnerOutput.empty()
         assert self.model is not None and self.kv_caches, "load_model and initialize_kv_cache come first"
+        pp = get_pp_group()
+        assert pp.is_first_rank or intermediate_tensors is not None, "a later pipeline stage needs the tensors sent"
 
         attn_metadata, num_tokens, sampling_rows, logits_indices = self._prepare_inputs(scheduler_output)
-        with set_forward_context(attn_metadata, num_tokens):
-            output = self.model(self.input_ids.gpu[:num_tokens], self.positions.gpu[:num_tokens],
-                                intermediate_tensors)
-        if not get_pp_group().is_last_rank:
+        num_reqs = self.input_batch.num_reqs
+        # Each request in the batch has at least one scheduled token: as many tokens as requests is all decode.
+        output = self._run_forward(num_tokens, num_reqs, num_tokens == num_reqs, attn_metadata, intermediate_tensors)
+        if not pp.is_last_rank:
             return output
+        assert isinstance(output, torch.Tensor)
+        # Padding rows (if any) come after the real tokens: logits_indices never reach them.
         logits = self.model.compute_logits(output[logits_indices]).float()
         self.prompt_logprobs.compute(output, self.input_batch, self.query_start_loc.np, self.model.compute_logits)
         self.execute_model_state = ExecuteModelState(scheduler_output, logits, sampling_rows)
@@ -212,73 +238,57 @@ class ModelRunner:
             batch.num_computed_tokens_cpu[rows] = rows_num_computed
         batch.condense()
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput
-                        ) -> tuple[CommonAttentionMetadata, int, np.ndarray, torch.Tensor]:
-        batch = self.input_batch
-        num_reqs = batch.num_reqs
-        num_scheduled_tokens = scheduler_output.num_scheduled_tokens
-        num_scheduled = np.array([num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64)
-        cu_num_tokens = num_scheduled.cumsum()
-        num_tokens = int(cu_num_tokens[-1])
-        assert num_tokens == scheduler_output.total_num_scheduled_tokens
+    # ---- how a forward runs ----------------------------------------------------------------
 
-        computed = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        positions = self.positions.np[:num_tokens]
-        if num_tokens == num_reqs:  # one token per request (decode): token i belongs to row i
-            req_indices = self._arange[:num_reqs]
-            positions[:] = computed
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """A forward of one placeholder token, so that an idle DP rank joins the collectives of the ranks with work."""
+        self._dummy_run(1)
+
+    def _dummy_run(self, num_tokens: int, uniform_decode: bool = True) -> torch.Tensor | IntermediateTensors:
+        """A forward of `num_tokens` zero tokens at position 0, without attention metadata (causal attention over the
+        batch, the KV cache untouched). The InputBatch and execute_model_state are untouched; nothing is sampled."""
+        num_reqs = num_tokens if uniform_decode else min(num_tokens, self.max_num_reqs)
+        self._pad_inputs(0, num_tokens)  # a dummy batch is padding only
+        return self._run_forward(num_tokens, num_reqs, uniform_decode, None, None)
+
+    def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int,
+                                               uniform_decode: bool) -> BatchDescriptor:
+        """How a forward runs. Locally eager and unpadded: nothing is captured yet (the CUDA-graph dispatcher and
+        the micro-batching thresholds decide these three later). Lock-step DP ranks then agree on one plan."""
+        cudagraph_mode = CUDAGraphMode.NONE
+        num_tokens_padded = num_tokens
+        wants_ubatch = False
+        dp = self.dp_group
+        assert dp is not None, "load_model first"
+        if dp.world_size == 1:
+            descriptor = BatchDescriptor(num_tokens, num_tokens_padded, num_reqs, uniform_decode, cudagraph_mode,
+                                         wants_ubatch)
         else:
-            req_indices = self._arange[:num_reqs].repeat(num_scheduled)
-            offsets = self._arange[:num_tokens] - (cu_num_tokens - num_scheduled).repeat(num_scheduled)
-            np.add(computed[req_indices], offsets, out=positions)
+            decision = coordinate_batch_across_dp(num_tokens, num_tokens_padded, wants_ubatch, cudagraph_mode, dp)
+            self.num_dp_coordinations += 1
+            descriptor = BatchDescriptor(num_tokens, decision.num_tokens_across_dp[dp.rank_in_group], num_reqs,
+                                         uniform_decode, decision.cudagraph_mode, decision.should_ubatch,
+                                         decision.num_tokens_across_dp)
+        logger.debug("forward: %d tokens, padded to %d, cudagraph %s, ubatch %s, DP tokens %s", num_tokens,
+                     descriptor.num_tokens_padded, descriptor.cudagraph_mode.name, descriptor.should_ubatch,
+                     descriptor.num_tokens_across_dp)
+        return descriptor
 
-        token_index = positions + req_indices * batch.max_model_len
-        batch.token_ids_cpu.ravel().take(token_index, out=self.input_ids.np[:num_tokens])
-        block_index = req_indices * self.max_blocks_per_req + positions // self.block_size
-        block_numbers = batch.block_table.table.ravel()[block_index].astype(np.int64)
-        np.add(block_numbers * self.block_size, positions % self.block_size, out=self.slot_mapping.np[:num_tokens])
-
-        query_start_loc = self.query_start_loc.np
-        query_start_loc[0] = 0
-        query_start_loc[1 : num_reqs + 1] = cu_num_tokens
-        seq_lens = computed + num_scheduled
-        self.seq_lens.np[:num_reqs] = seq_lens
-        # Partial prefills do not sample: their last scheduled token is not the last known one.
-        sampling_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
-        logits_indices = torch.from_numpy(cu_num_tokens[sampling_rows] - 1).to(self.device, non_blocking=True)
-
-        for buffer in (self.input_ids, self.positions, self.slot_mapping):
-            buffer.copy_to_device(num_tokens)
-        self.query_start_loc.copy_to_device(num_reqs + 1)
-        self.seq_lens.copy_to_device(num_reqs)
-        max_blocks = int(batch.block_table.num_blocks[:num_reqs].max())
-        self.block_table[:num_reqs, :max_blocks].copy_(
-            torch.from_numpy(batch.block_table.table[:num_reqs, :max_blocks]), non_blocking=True)
-
-        metadata = CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc.gpu[: num_reqs + 1],
-            query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
-            seq_lens=self.seq_lens.gpu[:num_reqs],
-            seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
-            block_table=self.block_table[:num_reqs, :max_blocks],
-            slot_mapping=self.slot_mapping.gpu[:num_tokens],
-            num_reqs=num_reqs,
-            num_actual_tokens=num_tokens,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        return self.attn_backend.build(metadata), num_tokens, sampling_rows, logits_indices
-
-
-class _Buffer:
-    """A CPU tensor with a numpy view, and its device twin (the same tensor on CPU)."""
-
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.cpu = torch.zeros(size, dtype=dtype, pin_memory=pin)
-        self.np = self.cpu.numpy()
-        self.gpu = self.cpu if device.type == "cpu" else torch.zeros(size, dtype=dtype, device=device)
-
-    def copy_to_device(self, n: int) -> None:
-        if self.gpu is not self.cpu:
-            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+    def _run_forward(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
+                     attn_metadata: AttentionMetadata | None,
+                     intermediate_tensors: IntermediateTensors | None) -> torch.Tensor | IntermediateTensors:
+        """The one call of the model, always after the batch decision (so after the DP coordination). The first
+        `num_tokens` input rows are written; padding rows are filled here. A later pipeline stage without received
+        tensors (dummy and profile runs: no stage-to-stage traffic) runs on zeros."""
+        assert self.model is not None, "load_model first"
+        batch_descriptor = self._determine_batch_execution_and_padding(num_tokens, num_reqs, uniform_decode)
+        n = batch_descriptor.num_tokens_padded
+        if n > num_tokens:
+            self._pad_inputs(num_tokens, n)
+        if intermediate_tensors is None and not get_pp_group().is_first_rank:
+            intermediate_tensors = self.model.make_empty_intermediate_tensors(n, self.dtype, self.device)
+        # The previous stage took the same decision for the same batch, so it sent n rows.
+        assert intermediate_tensors is None or intermediate_tensors["hidden_states"].shape[0] == n
+        with set_forward_context(attn_metadata, n, batch_descriptor):
+            return self.model(self.input_ids.gpu[:n], self.positions.gpu[:n], intermediate_tensors)
