@@ -19,7 +19,7 @@ from typing import Any
 from cluster.default_model import served_model_name
 from cluster.engine_commands import AbortRequest, AddRequest, CheckHealth, EngineCommand, RequestStream, post_outputs
 from cluster.llm_engine import LLMEngine, PromptType
-from cluster.outputs import RequestOutput
+from cluster.outputs import DPEngineDiedError, RequestOutput
 from cluster.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
 from configs import EngineConfig
 from configs.model_info import ModelInfo
@@ -43,6 +43,7 @@ class _RequestState:
     stream: RequestStream
     arrival_time: float
     num_prompt_tokens: int
+    engine_index: int  # the data-parallel engine serving it
     first_token_time: float | None = None
     last_token_time: float = 0.0
     num_generation_tokens: int = 0
@@ -54,7 +55,7 @@ class AsyncLLM:
         self.config = config
         self.model_name: str = config.model_config.served_model_name
         self.stat_loggers = list(stat_loggers)
-        self.scheduler_stats = SchedulerStats()  # the latest snapshot, replaced after every step
+        self.scheduler_stats = SchedulerStats()  # the latest snapshot (summed over DP engines), replaced every step
         self._engine: LLMEngine | None = None
         self._cond = threading.Condition()
         self._commands: list[EngineCommand] = []
@@ -157,13 +158,13 @@ class AsyncLLM:
         engine = self._engine
         try:
             while self._wait_for_work():
-                iteration = IterationStats()
+                iterations = [IterationStats() for _ in range(engine.engine_core.num_engines)]
                 while self._batch:
-                    self._apply(self._batch[0], iteration)
+                    self._apply(self._batch[0], iterations)
                     self._batch.popleft()  # only once applied: _fail answers a command that raised
                 if engine.has_unfinished_requests():
-                    self._dispatch(engine.step(), iteration)
-                self._record(iteration)
+                    self._step(engine, iterations)
+                self._record(iterations)
             reason = "the engine was shut down"
         except BaseException as err:
             logger.exception("the engine failed")
@@ -182,23 +183,24 @@ class AsyncLLM:
             self._commands = []
             return not self._stopping
 
-    def _apply(self, command: EngineCommand, iteration: IterationStats) -> None:
+    def _apply(self, command: EngineCommand, iterations: list[IterationStats]) -> None:
         engine = self._engine
         assert engine is not None
         if isinstance(command, AddRequest):
             try:
-                prompt_token_ids = engine.add_request(command.request_id, command.prompt, command.params,
-                                                      command.priority, output_kind="delta")
+                prompt_token_ids, engine_index = engine.add_request(
+                    command.request_id, command.prompt, command.params, command.priority, output_kind="delta")
             except ValueError as err:  # bad input fails this request only
                 post_outputs([(command.stream, err)])
                 return
             self._requests[command.request_id] = _RequestState(
-                command.stream, command.arrival_time, len(prompt_token_ids))
+                command.stream, command.arrival_time, len(prompt_token_ids), engine_index)
         elif isinstance(command, AbortRequest):
             state = self._requests.pop(command.request_id, None)
             if state is not None:
                 engine.abort_request([command.request_id])
-                iteration.finished_requests.append(_finished_stats(state, "abort", time.monotonic()))
+                iterations[state.engine_index].finished_requests.append(
+                    _finished_stats(state, "abort", time.monotonic()))
         else:
             try:
                 engine.engine_core.check_health()
@@ -207,13 +209,28 @@ class AsyncLLM:
                 raise
             command.result.set_result(None)
 
-    def _dispatch(self, outputs: list[RequestOutput], iteration: IterationStats) -> None:
+    def _step(self, engine: LLMEngine, iterations: list[IterationStats]) -> None:
+        """One engine step, its outputs delivered. A lost data-parallel engine fails its own requests only, unless
+        none can serve any more."""
+        try:
+            outputs = engine.step()
+        except DPEngineDiedError as err:
+            if err.fatal:
+                raise
+            logger.error("%s", err)
+            lost = [self._requests.pop(request_id) for request_id in err.request_ids if request_id in self._requests]
+            post_outputs([(state.stream, EngineDeadError(str(err))) for state in lost])
+            return
+        self._dispatch(outputs, iterations)
+
+    def _dispatch(self, outputs: list[RequestOutput], iterations: list[IterationStats]) -> None:
         now = time.monotonic()
         deliveries: list[tuple[RequestStream, RequestOutput | Exception]] = []
         for output in outputs:
             state = self._requests.get(output.request_id)
             if state is None:
                 continue
+            iteration = iterations[state.engine_index]
             num_new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
             if state.first_token_time is None:
                 state.first_token_time = now
@@ -231,18 +248,13 @@ class AsyncLLM:
             deliveries.append((state.stream, output))
         post_outputs(deliveries)
 
-    def _record(self, iteration: IterationStats) -> None:
+    def _record(self, iterations: list[IterationStats]) -> None:
         assert self._engine is not None
-        scheduler = self._engine.engine_core.scheduler
-        self.scheduler_stats = SchedulerStats(
-            num_running_reqs=scheduler.num_running,
-            num_waiting_reqs=scheduler.num_waiting,
-            kv_cache_usage=scheduler.kv_cache_usage,
-            prefix_cache_queries=scheduler.prefix_cache_queries,
-            prefix_cache_hits=scheduler.prefix_cache_hits,
-        )
+        engine_stats = self._engine.engine_core.engine_stats()
+        self.scheduler_stats = SchedulerStats.total(engine_stats)
         for stat_logger in self.stat_loggers:
-            stat_logger.record(self.scheduler_stats, iteration)
+            for engine_index, (scheduler_stats, iteration) in enumerate(zip(engine_stats, iterations)):
+                stat_logger.record(engine_index, scheduler_stats, iteration)
 
     def _fail(self, reason: str) -> None:
         """Marks the engine dead and fails every request in flight or still queued."""

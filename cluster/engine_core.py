@@ -7,28 +7,35 @@ run several steps at once (pipeline stages, async scheduling), a batch queue kee
 """
 from __future__ import annotations
 
-import random
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import replace
+from typing import Any
 
 from cluster.outputs import EngineCoreOutput
 from cluster.request import Request, RequestStatus
 from cluster.scheduler import Scheduler
+from cluster.stats import SchedulerStats
 from configs import EngineConfig
 from configs.model_info import ModelInfo
 from executor import Executor
 from runner.outputs import ModelRunnerOutput, SchedulerOutput
+from runner.parallel_state import NO_DATA_PARALLEL, DataParallelInfo
 
 # A step in flight: its SchedulerOutput and the futures of execute_model and sample_tokens.
 InFlightStep = tuple[SchedulerOutput, Future, Future]
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
+    """One engine (one DP rank). It is also the EngineCoreClient of a single-engine LLMEngine: the calls below are
+    what DPEngineCoreClient offers for several engines."""
+
+    num_engines = 1
+
+    def __init__(self, config: EngineConfig, model_info: ModelInfo,
+                 data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
         self.config = config
         self.model_info = model_info
-        self.executor = Executor.get_class(config)(config, model_info)
+        self.executor = Executor.get_class(config)(config, model_info, data_parallel)
         try:
             self.num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_kv_cache(self.num_blocks)
@@ -47,13 +54,13 @@ class EngineCore:
             config.cache_config.block_size, send_token_ids=pipeline)
         depth = self.executor.max_concurrent_batches
         self.batch_queue: deque[InFlightStep] | None = deque(maxlen=depth) if depth > 1 else None
-        # Requests without a seed get one drawn here, so every rank samples them identically.
-        self._seed_rng = random.Random(config.model_config.seed)
 
-    def add_request(self, request: Request) -> None:
-        if request.sampling_params.seed is None:
-            request.sampling_params = replace(request.sampling_params, seed=self._seed_rng.getrandbits(62))
+    def add_request(self, request: Request) -> int:
+        """Queue a request (seeded: LLMEngine draws the seeds); returns the index of the engine that serves it (always
+        0 here)."""
+        assert request.sampling_params.seed is not None, "every rank must sample a request identically"
         self.scheduler.add_request(request)
+        return 0
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -92,8 +99,22 @@ class EngineCore:
         assert output is not None, "the output rank returned no ModelRunnerOutput"
         return self.scheduler.update_from_output(scheduler_output, output)
 
+    def execute_dummy_batch(self) -> None:
+        """An idle lock-step DP engine's forward, matching the collectives of the engines that have work."""
+        self.executor.execute_dummy_batch().result()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    def engine_stats(self) -> list[SchedulerStats]:
+        """The scheduler's gauges, one entry per engine."""
+        scheduler = self.scheduler
+        return [SchedulerStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_cache_usage,
+                               scheduler.prefix_cache_queries, scheduler.prefix_cache_hits)]
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """A Worker method on every worker; results in rank order."""
+        return self.executor.collective_rpc(method, args)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

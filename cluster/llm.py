@@ -58,6 +58,10 @@ class LLM:
                         bar.set_postfix_str(f"output {rate:.0f} tok/s", refresh=False)
         return finished
 
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """Call a Worker method (by name) on every worker of every engine; results in global rank order."""
+        return self.llm_engine.engine_core.collective_rpc(method, args)
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.engine_core.reset_prefix_cache()
 

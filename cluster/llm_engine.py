@@ -5,20 +5,24 @@ core's token deltas into text (detokenizer, stop strings) through the OutputProc
 """
 from __future__ import annotations
 
+import random
 from dataclasses import replace
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from transformers import AutoTokenizer
 
 from cluster.default_model import resolve_model
 from cluster.engine_core import EngineCore
 from cluster.output_processor import OutputProcessor, RequestOutputKind
-from cluster.outputs import RequestOutput
+from cluster.outputs import DPEngineDiedError, RequestOutput
 from cluster.request import Request
 from configs import EngineConfig, make_engine_config
 from configs.model_info import ModelInfo, read_model_info
 from runner.platform import device_type
 from runner.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.dp_client import DPEngineCoreClient
 
 PromptType: TypeAlias = "str | dict[str, Any]"
 
@@ -33,8 +37,19 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.engine_core = EngineCore(config, self.model_info)
+        self.model_info.check_parallel(config.parallel_config)
+        self.engine_core: EngineCore | DPEngineCoreClient
+        parallel = config.parallel_config
+        if parallel.data_parallel_size > 1 and parallel.data_parallel_backend == "ray":
+            from cluster.dp_client import DPEngineCoreClient
+
+            self.engine_core = DPEngineCoreClient(config, self.model_info)
+        else:
+            self.engine_core = EngineCore(config, self.model_info)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Requests without a seed get one drawn here: every rank of an engine then samples them identically, and
+        # they sample the same whichever data-parallel engine serves them.
+        self._seed_rng = random.Random(config.model_config.seed)
 
     @classmethod
     def from_settings(cls, config_file: str | None = None, **overrides: Any) -> LLMEngine:
@@ -55,21 +70,25 @@ class LLMEngine:
         raise ValueError(f"a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; got {prompt!r}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    output_kind: RequestOutputKind = "cumulative") -> list[int]:
-        """Queue one prompt (n sequences); returns its prompt token ids. Bad input raises ValueError."""
+                    output_kind: RequestOutputKind = "cumulative") -> tuple[list[int], int]:
+        """Queue one prompt (n sequences); returns its prompt token ids and the index of the (data-parallel) engine
+        that serves it (of its first sequence). Bad input raises ValueError."""
         text, token_ids = self.process_prompt(prompt)
         if not token_ids:
             raise ValueError("prompt: it is empty (0 tokens)")
         self._check_request(params, priority)
+        if params.seed is None:
+            params = replace(params, seed=self._seed_rng.getrandbits(62))
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        engines = []
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else _child_params(params, index)
-            self.engine_core.add_request(Request(child_id, token_ids, child_params, self.eos_token_ids,
-                                                 priority=priority))
+            engines.append(self.engine_core.add_request(Request(child_id, token_ids, child_params, self.eos_token_ids,
+                                                                priority=priority)))
             self.output_processor.add_request(child_id, text, token_ids, child_params,
                                               parent_id=None if params.n == 1 else request_id, index=index,
                                               output_kind=output_kind)
-        return token_ids
+        return token_ids, engines[0]
 
     def _check_request(self, params: SamplingParams, priority: int) -> None:
         vocab_size = self.model_info.vocab_size
@@ -86,7 +105,13 @@ class LLMEngine:
         self.engine_core.abort_requests(to_abort)
 
     def step(self) -> list[RequestOutput]:
-        processed = self.output_processor.process_outputs(self.engine_core.step())
+        try:
+            core_outputs = self.engine_core.step()
+        except DPEngineDiedError as err:  # in user-facing request ids, with their other sequences aborted
+            parents = self.output_processor.parent_ids(err.request_ids)
+            self.abort_request(parents)
+            raise DPEngineDiedError(str(err), parents, err.fatal) from None
+        processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

@@ -109,6 +109,11 @@ class OutputProcessor:
         logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.request_states[request_id] = RequestState(request_id, parent, index, detokenizer, logprobs)
 
+    def parent_ids(self, child_ids: list[str]) -> list[str]:
+        """The user-facing request ids of engine-core requests (a child of n > 1 maps to its parent)."""
+        states = self.request_states
+        return list(dict.fromkeys(states[c].parent.request_id for c in child_ids if c in states))
+
     def abort_request(self, request_id: str) -> list[str]:
         """Drops a request's state; returns the engine-core request ids to abort (all children of a parent)."""
         parent = self.parent_requests.pop(request_id, None)

@@ -6,6 +6,15 @@ from dataclasses import dataclass
 from runner.outputs import LogprobsLists
 
 
+class DPEngineDiedError(RuntimeError):
+    """A data-parallel engine died; `request_ids` were on it and are lost. `fatal`: no engine can serve any more."""
+
+    def __init__(self, message: str, request_ids: list[str], fatal: bool) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+        self.fatal = fatal
+
+
 @dataclass
 class EngineCoreOutput:
     """The delta of one request after one step."""

@@ -15,6 +15,13 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
+    @classmethod
+    def total(cls, per_engine: list[SchedulerStats]) -> SchedulerStats:
+        """Several data-parallel engines as one: counts summed, KV usage averaged (the engines' pools are equal)."""
+        return cls(sum(s.num_running_reqs for s in per_engine), sum(s.num_waiting_reqs for s in per_engine),
+                   sum(s.kv_cache_usage for s in per_engine) / max(len(per_engine), 1),
+                   sum(s.prefix_cache_queries for s in per_engine), sum(s.prefix_cache_hits for s in per_engine))
+
 
 @dataclass(frozen=True)
 class FinishedRequestStats:
@@ -36,5 +43,6 @@ class IterationStats:
 
 
 class StatLogger(Protocol):
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        """Called from the engine thread after every step: must be quick and thread-safe."""
+    def record(self, engine_index: int, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        """Called from the engine thread after every step, once per data-parallel engine: must be quick and
+        thread-safe."""

@@ -90,5 +90,5 @@ def metrics(server: Server) -> dict[tuple[str, frozenset], float]:
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def metric(server: Server, name: str, model: str, **labels: str) -> float:
-    return metrics(server)[(name, frozenset({"model_name": model, **labels}.items()))]
+def metric(server: Server, name: str, model: str, engine: str = "0", **labels: str) -> float:
+    return metrics(server)[(name, frozenset({"model_name": model, "engine": engine, **labels}.items()))]

@@ -82,7 +82,7 @@ def test_metrics_count_what_usage_reports(server: Server, client: openai.OpenAI,
     response = client.completions.create(model=model, prompt="Counting tokens here", max_tokens=7,
                                          temperature=0.0, extra_body={"ignore_eos": True})
     after = metrics(server)
-    label = frozenset({"model_name": model}.items())
+    label = frozenset({"model_name": model, "engine": "0"}.items())
 
     def delta(name: str, labels: frozenset = label) -> float:
         return after[(name, labels)] - before[(name, labels)]
