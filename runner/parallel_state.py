@@ -14,6 +14,8 @@ A world of one needs no torch.distributed: every collective is then the identity
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -71,7 +73,8 @@ class RankLayout:
 @dataclass(frozen=True)
 class DataParallelInfo:
     """Where one engine sits among the DP engines that share its torch.distributed world: `size` 1 (the default)
-    for an engine alone in its world. `init_method` is the shared rendezvous, needed when size > 1."""
+    for an engine alone in its world. `init_method` is the shared store (tcp://host:port, hosted by the first
+    engine's process), needed when size > 1."""
 
     rank: int = 0
     size: int = 1
@@ -83,6 +86,7 @@ class DataParallelInfo:
 
 
 NO_DATA_PARALLEL = DataParallelInfo()  # an engine alone in its world
+_STORE_TIMEOUT = timedelta(minutes=10)  # every rank must have loaded its model by then
 
 
 _TP: GroupCoordinator | None = None
@@ -91,10 +95,20 @@ _DP: GroupCoordinator | None = None
 _EP: GroupCoordinator | None = None
 
 
-def init_distributed_environment(world_size: int, rank: int, init_method: str | None, backend: str) -> None:
-    """Join the default process group (nothing to join for a world of one)."""
-    if world_size > 1 and not dist.is_initialized():
+def init_distributed_environment(world_size: int, rank: int, init_method: str | None, backend: str,
+                                 store_elsewhere: bool = False) -> None:
+    """Join the default process group (nothing to join for a world of one). `init_method` tcp://host:port names a
+    store that rank 0's process hosts, or, with `store_elsewhere`, one another process hosts (lock-step DP engines:
+    the first engine's), which every rank then joins as a client."""
+    if world_size <= 1 or dist.is_initialized():
+        return
+    if not store_elsewhere:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        return
+    address = urlparse(init_method)
+    assert address.scheme == "tcp" and address.hostname and address.port, f"not a tcp://host:port: {init_method}"
+    store = dist.TCPStore(address.hostname, address.port, is_master=False, timeout=_STORE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
 def init_model_parallel(tp_size: int = 1, pp_size: int = 1, dp_size: int = 1, enable_expert_parallel: bool = False,

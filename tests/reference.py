@@ -48,3 +48,14 @@ def check_logprobs_close(reference: list[tuple[list[int], list[dict[int, float]]
             diverged += 1
             break
     return diverged
+
+
+def assert_same_output(ours: list[tuple[list[int], list[dict[int, float]]]],
+                       reference: list[tuple[list[int], list[dict[int, float]]]]) -> None:
+    """Two raylm runs agree: the same greedy tokens, and the same top-k logprobs up to float summation order
+    (another batch composition or parallel layout sums in another order)."""
+    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in reference]
+    for (_, our_logprobs), (_, ref_logprobs) in zip(ours, reference):
+        for ours_at, ref_at in zip(our_logprobs, ref_logprobs, strict=True):
+            assert ours_at.keys() == ref_at.keys()
+            assert all(abs(ours_at[t] - ref_at[t]) < 1e-4 for t in ours_at)

@@ -19,7 +19,7 @@ from cluster.dp_load_balancer import DPLoadBalancer
 from cluster.openai.metrics import PrometheusStatLogger
 from cluster.outputs import DPEngineDiedError
 from configs import make_engine_config
-from tests.reference import TOP_K
+from tests.reference import TOP_K, assert_same_output
 
 MAX_TOKENS = 10
 ENGINE = dict(max_model_len=256, block_size=16, max_num_seqs=8, num_gpu_blocks_override=64,
@@ -46,15 +46,6 @@ def generate(llm: LLM, prompts: list[list[int]]) -> Result:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
-
-
-def assert_same_output(ours: Result, reference: Result) -> None:
-    """The same greedy tokens, and the same top-k logprobs up to float summation order (batches differ)."""
-    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in reference]
-    for (_, our_logprobs), (_, ref_logprobs) in zip(ours, reference):
-        for ours_at, ref_at in zip(our_logprobs, ref_logprobs, strict=True):
-            assert ours_at.keys() == ref_at.keys()
-            assert all(abs(ours_at[t] - ref_at[t]) < 1e-4 for t in ours_at)
 
 
 def client_of(llm: LLM) -> DPEngineCoreClient:

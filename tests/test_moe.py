@@ -25,7 +25,7 @@ from runner.parallel_state import (
     init_distributed_environment,
     init_model_parallel,
 )
-from tests.reference import TOP_K, check_logprobs_close, hf_greedy
+from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
 
 MAX_TOKENS = 10
 PROMPT_LENGTHS = [1, 5, 23, 40]
@@ -132,14 +132,6 @@ def ray_cluster() -> Any:
     yield
     if started:
         ray.shutdown()
-
-
-def assert_same_output(ours: Result, reference: Result) -> None:
-    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in reference]
-    for (_, our_logprobs), (_, ref_logprobs) in zip(ours, reference):
-        for ours_at, ref_at in zip(our_logprobs, ref_logprobs, strict=True):
-            assert ours_at.keys() == ref_at.keys()
-            assert all(abs(ours_at[t] - ref_at[t]) < 1e-4 for t in ours_at)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from executor import Executor, UniProcExecutor
 from executor.placement import placement_bundles, sort_bundles_by_node
 from executor.ray_executor import RayExecutor
 from runner.outputs import SchedulerOutput
-from tests.reference import TOP_K, check_logprobs_close, hf_greedy
+from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
 from worker.ray_worker import cuda_device_index
 
 MAX_TOKENS = 12
@@ -59,15 +59,6 @@ def generate(llm: LLM) -> Result:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
     outputs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
-
-
-def assert_same_output(ours: Result, reference: Result) -> None:
-    """The same tokens, and the same top-k logprobs up to float summation order."""
-    assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in reference]
-    for (_, our_logprobs), (_, ref_logprobs) in zip(ours, reference):
-        for ours_at, ref_at in zip(our_logprobs, ref_logprobs, strict=True):
-            assert ours_at.keys() == ref_at.keys()
-            assert all(abs(ours_at[t] - ref_at[t]) < 1e-4 for t in ours_at)
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ class Worker:
         backend = "nccl" if kind == "cuda" else "gloo"
         dp = self.data_parallel
         init_distributed_environment(dp.size * parallel.world_size, dp.rank * parallel.world_size + self.rank,
-                                     self.distributed_init_method, backend)
+                                     self.distributed_init_method, backend, store_elsewhere=dp.size > 1)
         init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, dp.size,
                             parallel.enable_expert_parallel, backend=backend)
         torch.manual_seed(self.config.model_config.seed)
