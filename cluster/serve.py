@@ -134,10 +134,10 @@ def llm_server_options(config: EngineConfig) -> dict[str, Any]:
 
 
 def _replica_holds_device(config: EngineConfig) -> bool:
-    """With the in-process executor the replica runs the model itself; the Ray executor's workers hold
-    the devices otherwise."""
+    """With the in-process executor the replica runs the model itself; the Ray executor's workers (or, with data
+    parallel, the engine actors and their workers) hold the devices otherwise."""
     parallel = config.parallel_config
-    if parallel.world_size > 1 or parallel.distributed_executor_backend == "ray":
+    if parallel.world_size > 1 or parallel.distributed_executor_backend == "ray" or parallel.data_parallel_size > 1:
         return False
     if config.model_config.device != "auto":
         return config.model_config.device == "cuda"
