@@ -20,7 +20,7 @@ from cluster.default_model import served_model_name
 from cluster.engine_commands import AbortRequest, AddRequest, CheckHealth, EngineCommand, RequestStream, post_outputs
 from cluster.llm_engine import LLMEngine, PromptType
 from cluster.outputs import DPEngineDiedError, RequestOutput
-from cluster.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
+from cluster.stats import FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from configs import EngineConfig
 from configs.model_info import ModelInfo
 from runner.sampling_params import SamplingParams
@@ -55,6 +55,9 @@ class AsyncLLM:
         self.config = config
         self.model_name: str = config.model_config.served_model_name
         self.stat_loggers = list(stat_loggers)
+        observability = config.observability_config
+        if not observability.disable_log_stats:
+            self.stat_loggers.append(LoggingStatLogger(observability.log_stats_interval_s))
         self.scheduler_stats = SchedulerStats()  # the latest snapshot (summed over DP engines), replaced every step
         self._engine: LLMEngine | None = None
         self._cond = threading.Condition()

@@ -52,6 +52,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             scheduler_config, config.cache_config, model_info.max_model_len, self.num_blocks,
             config.cache_config.block_size, send_token_ids=pipeline)
+        self.num_prompt_tokens = self.num_generation_tokens = 0  # since start, for stats
         depth = self.executor.max_concurrent_batches
         self.batch_queue: deque[InFlightStep] | None = deque(maxlen=depth) if depth > 1 else None
 
@@ -75,7 +76,7 @@ class EngineCore:
         if output is None:
             output = self.executor.sample_tokens().result()
         assert output is not None, "the output rank returned no ModelRunnerOutput"
-        return self.scheduler.update_from_output(scheduler_output, output)
+        return self._update_from_output(scheduler_output, output)
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Schedule and dispatch a step while the queue has room and the oldest step is still running (the new one
@@ -97,7 +98,17 @@ class EngineCore:
         if output is None:
             output = execute_future.result()  # an empty step answers from execute_model
         assert output is not None, "the output rank returned no ModelRunnerOutput"
-        return self.scheduler.update_from_output(scheduler_output, output)
+        return self._update_from_output(scheduler_output, output)
+
+    def _update_from_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
+                            ) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(scheduler_output, output)
+        num_generated = sum(len(tokens) for tokens in output.sampled_token_ids)
+        self.num_generation_tokens += num_generated
+        # Every scheduled token that sampled nothing was a prompt (prefill) token; a prompt's last token samples the
+        # first output token, so this undercounts prompts by one token each.
+        self.num_prompt_tokens += max(0, scheduler_output.total_num_scheduled_tokens - num_generated)
+        return outputs
 
     def execute_dummy_batch(self) -> None:
         """An idle lock-step DP engine's forward, matching the collectives of the engines that have work."""
@@ -110,7 +121,8 @@ class EngineCore:
         """The scheduler's gauges, one entry per engine."""
         scheduler = self.scheduler
         return [SchedulerStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_cache_usage,
-                               scheduler.prefix_cache_queries, scheduler.prefix_cache_hits)]
+                               scheduler.prefix_cache_queries, scheduler.prefix_cache_hits, self.num_prompt_tokens,
+                               self.num_generation_tokens, scheduler.num_preemptions)]
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """A Worker method on every worker; results in rank order."""

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from cluster.llm_engine import LLMEngine, PromptType
 from cluster.outputs import RequestOutput
+from cluster.stats import LoggingStatLogger
 from runner.sampling_params import SamplingParams
 
 
@@ -18,6 +19,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, config_file: str | None = None, **settings: Any) -> None:
         self.llm_engine = LLMEngine.from_settings(config_file, model=model, **settings)
+        observability = self.llm_engine.config.observability_config
+        self.stat_logger = (None if observability.disable_log_stats
+                            else LoggingStatLogger(observability.log_stats_interval_s))
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -49,6 +53,9 @@ class LLM:
         with tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             num_output_tokens = 0
             while self.llm_engine.has_unfinished_requests():
+                if self.stat_logger is not None and self.stat_logger.due():
+                    for engine_index, stats in enumerate(self.llm_engine.engine_core.engine_stats()):
+                        self.stat_logger.record(engine_index, stats)
                 for output in self.llm_engine.step():
                     if output.finished:
                         finished[output.request_id] = output

@@ -1,9 +1,13 @@
-"""What the async engine reports after every step, for metrics: scheduler gauges and per-step token and
-latency figures. Stat loggers (Prometheus, Ray metrics) turn these into series."""
+"""What the engine reports after every step, for metrics and the log: scheduler gauges and counters, per-step token
+and latency figures. Stat loggers (Prometheus, the periodic log line) turn these into series."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
+
+logger = logging.getLogger("raylm.stats")
 
 
 @dataclass(frozen=True)
@@ -11,16 +15,24 @@ class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    # Prefix-cache lookups since the previous SchedulerStats, in tokens.
+    # Counters since the engine started. Prefix-cache lookups in tokens; prompt tokens are the prefill tokens
+    # computed (a preempted request's count again).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
 
     @classmethod
     def total(cls, per_engine: list[SchedulerStats]) -> SchedulerStats:
         """Several data-parallel engines as one: counts summed, KV usage averaged (the engines' pools are equal)."""
-        return cls(sum(s.num_running_reqs for s in per_engine), sum(s.num_waiting_reqs for s in per_engine),
+        def total(name: str) -> int:
+            return sum(getattr(s, name) for s in per_engine)
+
+        return cls(total("num_running_reqs"), total("num_waiting_reqs"),
                    sum(s.kv_cache_usage for s in per_engine) / max(len(per_engine), 1),
-                   sum(s.prefix_cache_queries for s in per_engine), sum(s.prefix_cache_hits for s in per_engine))
+                   total("prefix_cache_queries"), total("prefix_cache_hits"), total("num_prompt_tokens"),
+                   total("num_generation_tokens"), total("num_preemptions"))
 
 
 @dataclass(frozen=True)
@@ -46,3 +58,54 @@ class StatLogger(Protocol):
     def record(self, engine_index: int, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         """Called from the engine thread after every step, once per data-parallel engine: must be quick and
         thread-safe."""
+
+
+class LoggingStatLogger:
+    """vLLM's periodic line, one per engine while it is busy (or just was):
+    `Engine 000: Avg prompt throughput: 512.3 tokens/s, Avg generation throughput: 95.0 tokens/s, Running: 4 reqs,
+    Waiting: 0 reqs, KV cache usage: 3.1%, Prefix cache hit rate: 0.0%, Preemptions: 0`."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last: dict[int, tuple[float, SchedulerStats]] = {}
+        # Shown even where nobody configured logging (a CLI run, a Serve replica), as vLLM shows its own.
+        logger.setLevel(logging.INFO)
+        if not logger.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [raylm] %(message)s", "%m-%d %H:%M:%S"))
+            logger.addHandler(handler)
+            logger.propagate = False
+
+    def due(self, engine_index: int = 0) -> bool:
+        """Whether the next record of this engine would log (or start its first interval)."""
+        last = self._last.get(engine_index)
+        return last is None or time.monotonic() - last[0] >= self.interval_s
+
+    def record(self, engine_index: int, scheduler_stats: SchedulerStats,
+               iteration_stats: IterationStats | None = None) -> None:
+        now = time.monotonic()
+        last = self._last.get(engine_index)
+        if last is not None and now - last[0] < self.interval_s:
+            return
+        self._last[engine_index] = (now, scheduler_stats)
+        if last is None:
+            return  # the first call starts the interval
+        line = self.format(engine_index, scheduler_stats, last[1], now - last[0])
+        if line is not None:
+            logger.info(line)
+
+    @staticmethod
+    def format(engine_index: int, stats: SchedulerStats, last: SchedulerStats, elapsed: float) -> str | None:
+        """The line for the interval from `last` to `stats`; None when the engine was idle all along."""
+        prompt = stats.num_prompt_tokens - last.num_prompt_tokens
+        generation = stats.num_generation_tokens - last.num_generation_tokens
+        if not (prompt or generation or stats.num_running_reqs or stats.num_waiting_reqs):
+            return None
+        queries = stats.prefix_cache_queries - last.prefix_cache_queries
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        return (f"Engine {engine_index:03d}: Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
+                f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
+                f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
+                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%, "
+                f"Preemptions: {stats.num_preemptions - last.num_preemptions}")

@@ -78,6 +78,11 @@ class ServingConfig(_Section):
     target_ongoing_requests: float = Field(16.0, gt=0.0)
 
 
+class ObservabilityConfig(_Section):
+    disable_log_stats: bool = Field(False, description="no periodic engine stats line in the log")
+    log_stats_interval_s: float = Field(10.0, gt=0.0, description="seconds between engine stats lines")
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
@@ -85,6 +90,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "scheduler_config": SchedulerConfig,
     "compilation_config": CompilationConfig,
     "serving_config": ServingConfig,
+    "observability_config": ObservabilityConfig,
 }
 
 
@@ -99,6 +105,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     serving_config: ServingConfig = field(default_factory=ServingConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         sched, parallel = self.scheduler_config, self.parallel_config
