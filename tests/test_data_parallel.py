@@ -84,6 +84,22 @@ def test_dense_dp2_equals_dp1_from_two_engines(ray_cluster: Any, llama_path: Pat
         llm.shutdown()
 
 
+@pytest.mark.slow
+def test_dense_dp2_by_pp2_equals_dp1(ray_cluster: Any, llama_path: Path) -> None:
+    """DP composes with PP: two engines, each a 2-stage pipeline of Worker actors in its own placement group."""
+    prompts = make_prompts(4, seed=8)
+    single = LLM(model=str(llama_path), **ENGINE)
+    reference = generate(single, prompts)
+    single.shutdown()
+    llm = LLM(model=str(llama_path), data_parallel_size=2, pipeline_parallel_size=2, **ENGINE)
+    try:
+        assert_same_output(generate(llm, prompts), reference)
+        assert len(llm.collective_rpc("forward_counts")) == 4  # 2 engines x 2 stages
+        assert [load.num_received for load in client_of(llm).balancer.engines] == [2, 2]
+    finally:
+        llm.shutdown()
+
+
 def test_skewed_stream_spreads_by_load_not_round_robin(ray_cluster: Any, llama_path: Path) -> None:
     llm = LLM(model=str(llama_path), data_parallel_size=2, **ENGINE)
     engine = llm.llm_engine
