@@ -1,4 +1,5 @@
-"""The `raylm` command: `generate` offline, `serve` the OpenAI API (on Ray Serve, or in this process)."""
+"""The `raylm` command: `generate` offline, `serve` the OpenAI API (on Ray Serve, or in this process), `bench serve`
+a running server."""
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,17 @@ def main(argv: list[str] | None = None) -> int:
                             "else a new local Ray)")
     add_engine_args(serve)
 
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    from cluster import serving_benchmark
+
+    serving_benchmark.add_arguments(bench_commands.add_parser(
+        "serve", help="streaming clients against an OpenAI-compatible server: latency and throughput sweeps"))
+
     args = parser.parse_args(argv)
     try:
+        if args.command == "bench":
+            return serving_benchmark.run(args)
         return _serve(args) if args.command == "serve" else _generate(args)
     except ValueError as err:
         print(f"raylm: error: {err}", file=sys.stderr)

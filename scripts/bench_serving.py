@@ -1,8 +1,8 @@
 """Online serving benchmark: concurrent streaming clients against an OpenAI-compatible /v1/completions.
 
-Starts `raylm serve --no-ray` itself unless --url is given. Each client sends its next request as soon as the
-previous one finishes. Reports time to first token, inter-token latency and end-to-end latency percentiles
-and output throughput, each the median over --runs runs.
+Starts `raylm serve --no-ray` itself unless --url is given (`raylm bench serve` sweeps a running server). Each
+client sends its next request as soon as the previous one finishes. Reports time to first token, inter-token
+latency and end-to-end latency percentiles and output throughput, each the median over --runs runs.
 
     python scripts/bench_serving.py --num-clients 8 --num-requests 64 --output-len 32
     python scripts/bench_serving.py --url http://127.0.0.1:8000/v1
@@ -12,83 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import socket
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-_WORDS = ("time river garden window music forest bridge island mountain letter kitchen engine signal "
-          "message answer network model token cloud storm winter summer quiet bright ancient modern").split()
+sys.path.insert(0, str(REPO_ROOT))
 
-
-@dataclass
-class RequestResult:
-    ttft: float
-    inter_token_latencies: list[float]
-    e2e: float
-    output_tokens: int
-
-
-@dataclass
-class RunResult:
-    requests: list[RequestResult] = field(default_factory=list)
-    wall_time: float = 0.0
-
-    @property
-    def output_throughput(self) -> float:
-        return sum(r.output_tokens for r in self.requests) / self.wall_time
-
-
-def random_prompts(count: int, num_words: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(num_words)) for _ in range(count)]
-
-
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, output_len: int) -> RequestResult:
-    start = time.perf_counter()
-    token_times: list[float] = []
-    output_tokens = 0
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=output_len, temperature=0.0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        if chunk.usage is not None:
-            output_tokens = chunk.usage.completion_tokens
-        if chunk.choices:
-            token_times.append(time.perf_counter())
-    if not token_times:
-        raise RuntimeError("a stream ended without any output")
-    gaps = [later - earlier for earlier, later in zip(token_times, token_times[1:])]
-    return RequestResult(token_times[0] - start, gaps, token_times[-1] - start, output_tokens)
-
-
-async def run_once(url: str, model: str, prompts: list[str], num_clients: int, output_len: int) -> RunResult:
-    pending = list(reversed(prompts))
-    result = RunResult()
-
-    async def client_loop(client: openai.AsyncOpenAI) -> None:
-        while pending:
-            result.requests.append(await one_request(client, model, pending.pop(), output_len))
-
-    async with openai.AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "unused"),
-                                  max_retries=0, timeout=600) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*[client_loop(client) for _ in range(num_clients)])
-        result.wall_time = time.perf_counter() - start
-    return result
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+from cluster.serving_benchmark import RunResult, percentile, random_prompts, run_concurrency  # noqa: E402
 
 
 def summarize(runs: list[RunResult]) -> dict[str, list[float]]:
@@ -130,9 +67,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 async def bench(args: argparse.Namespace, url: str) -> None:
     async with openai.AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "unused")) as client:
         model = args.served_model or (await client.models.list()).data[0].id
-    await run_once(url, model, random_prompts(args.num_clients, args.prompt_words, seed=-1), args.num_clients,
+    await run_concurrency(url, model, random_prompts(args.num_clients, args.prompt_words, seed=-1), args.num_clients,
                    args.output_len)  # warm-up
-    runs = [await run_once(url, model, random_prompts(args.num_requests, args.prompt_words, args.seed + run),
+    runs = [await run_concurrency(url, model, random_prompts(args.num_requests, args.prompt_words, args.seed + run),
                            args.num_clients, args.output_len) for run in range(args.runs)]
     summary = summarize(runs)
     print(f"bench_serving: {model} at {url}; {args.num_clients} clients, {args.num_requests} requests per run, "
