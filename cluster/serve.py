@@ -127,6 +127,8 @@ def llm_server_options(config: EngineConfig) -> dict[str, Any]:
             "min_replicas": serving.min_replicas,
             "max_replicas": serving.max_replicas,
             "target_ongoing_requests": serving.target_ongoing_requests,
+            "upscale_delay_s": serving.upscale_delay_s,
+            "downscale_delay_s": serving.downscale_delay_s,
         },
         "max_ongoing_requests": _MAX_ONGOING_REQUESTS,
         "ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if _replica_holds_device(config) else 0},

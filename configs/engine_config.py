@@ -76,6 +76,8 @@ class ServingConfig(_Section):
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(16.0, gt=0.0)
+    upscale_delay_s: float = Field(30.0, ge=0.0, description="Serve autoscaling: load held this long adds replicas")
+    downscale_delay_s: float = Field(600.0, ge=0.0, description="Serve autoscaling: idle this long drops replicas")
 
 
 class ObservabilityConfig(_Section):
