@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.tiny_model import DEFAULT_OUT as DEFAULT_MODEL_DIR
-from cluster.tiny_model import make_tiny_model
+from cluster.tiny_model import DEFAULT_MODEL_NAME, make_tiny_model
 from configs import ModelConfig
 
 
@@ -23,13 +22,14 @@ def served_model_name(model_config: ModelConfig) -> str:
     if model_config.served_model_name is not None:
         return model_config.served_model_name
     if model_config.model is None:
-        return DEFAULT_MODEL_DIR.name
+        return DEFAULT_MODEL_NAME
     path = Path(model_config.model)
     return path.name if path.is_dir() else model_config.model
 
 
 def build_default_model() -> Path:
-    return make_tiny_model(DEFAULT_MODEL_DIR)
+    """The tiny default checkpoint, built once per machine into the user cache (RAYLM_CACHE_DIR)."""
+    return make_tiny_model()
 
 
 def _download(model_id: str) -> str:

@@ -1,7 +1,8 @@
 """The Ray Serve application: `import_path: cluster.serve:build_app`, `args: {config: configs/tiny.yaml, ...}`.
 
-One LLMServer replica holds one engine (with tensor or pipeline parallel > 1, the engine's Ray executor
-places its workers in a placement group of its own); replicas autoscale on ongoing requests. The
+One LLMServer replica holds one engine; with tensor or pipeline parallel > 1, Serve creates the replica in a
+placement group of the engine's bundles (the replica takes the engine's bundle, its Ray executor's workers the rest),
+checked against the cluster when the app is built. Replicas autoscale on ongoing requests. The
 OpenAIIngress serves the same FastAPI app as `raylm serve --no-ray`, routing each request by model id to
 its LLMServer through a streaming deployment handle.
 """
@@ -27,6 +28,8 @@ from cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, Er
 from cluster.openai.router import EngineModelRouter, ServingResult, route_model
 from cluster.openai.serving_engine import SSE_DONE, sse_error
 from configs import EngineConfig, make_engine_config
+from executor.cluster_resources import ClusterCapacity, check_fits
+from executor.placement import describe_engine, engine_bundles, resolve_device
 
 # The engine batches and queues requests itself: Serve must not hold them back from a replica.
 _MAX_ONGOING_REQUESTS = 1_000_000
@@ -122,7 +125,7 @@ def build_openai_app(config: EngineConfig) -> serve.Application:
 
 def llm_server_options(config: EngineConfig) -> dict[str, Any]:
     serving = config.serving_config
-    return {
+    return _replica_placement(config) | {
         "autoscaling_config": {
             "min_replicas": serving.min_replicas,
             "max_replicas": serving.max_replicas,
@@ -133,6 +136,21 @@ def llm_server_options(config: EngineConfig) -> dict[str, Any]:
         "max_ongoing_requests": _MAX_ONGOING_REQUESTS,
         "ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if _replica_holds_device(config) else 0},
     }
+
+
+def _replica_placement(config: EngineConfig) -> dict[str, Any]:
+    """A replica whose engine runs Ray workers (and no DP engines) gets its placement group from Serve, so that Serve
+    and the autoscaler start a replica only where all of it fits. A group the cluster can never hold fails here, as
+    the app is built, instead of leaving replicas pending. Without a Ray connection yet (`serve run module:app` builds
+    first) the replica's executor reserves and checks a group of its own when it starts."""
+    parallel = config.parallel_config
+    runs_workers = parallel.world_size > 1 or parallel.distributed_executor_backend == "ray"
+    if not ray.is_initialized() or not runs_workers or parallel.data_parallel_size > 1:
+        return {}
+    capacity = ClusterCapacity.current()
+    layout = engine_bundles(parallel, resolve_device(config.model_config), capacity)
+    check_fits(layout.bundles, parallel.placement_group_strategy, describe_engine(layout, parallel), capacity)
+    return {"placement_group_bundles": layout.bundles, "placement_group_strategy": parallel.placement_group_strategy}
 
 
 def _replica_holds_device(config: EngineConfig) -> bool:

@@ -2,8 +2,10 @@
 
 The checkpoint (config, safetensors weights, generation config, byte-level BPE tokenizer with a chat
 template) is deterministic for a given seed, so tests and examples can rely on it without any download.
+Without a folder to write to, it is built once per machine into the user cache (~/.cache/raylm/models/<key>, see
+configs.envs), keyed by its settings and the code that writes it; that is where the engine's default model lives.
 
-    python scripts/make_tiny_model.py --out models/tiny-llama --arch llama   (built on demand by the engine)
+    python scripts/make_tiny_model.py [--out DIR] [--arch llama]   (the default is built on demand by the engine)
 """
 
 from __future__ import annotations
@@ -19,15 +21,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 import torch
+import transformers
 
 from cluster.tiny_tokenizer import END, _train_tokenizer_json, build_tokenizer
+from configs.cache import build_once, cache_path, content_key
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
+DEFAULT_MODEL_NAME = "tiny-llama"
 ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+# What the checkpoint's bytes depend on besides the settings: the code that writes it and the libraries it calls.
+_GENERATOR_SOURCES = (Path(__file__), Path(__file__).with_name("tiny_tokenizer.py"))
 # The tokenizer helpers moved to cluster.tiny_tokenizer; re-exported for callers that import them from here.
-__all__ = ["ARCHS", "DEFAULT_OUT", "_train_tokenizer_json", "build_tokenizer", "count_parameters", "main",
+__all__ = ["ARCHS", "DEFAULT_MODEL_NAME", "_train_tokenizer_json", "build_tokenizer", "count_parameters", "main",
            "make_tiny_model"]
 
 LLAMA3_ROPE_SCALING: dict[str, Any] = {
@@ -46,8 +53,27 @@ def _rope_kwargs(config_cls: type, rope_theta: float, rope_scaling: dict[str, An
     return {"rope_theta": rope_theta, **({"rope_scaling": dict(rope_scaling)} if rope_scaling else {})}
 
 
-def make_tiny_model(
-    out: Path | str | None = None,
+def make_tiny_model(out: Path | str | None = None, *, force: bool = False, **settings: Any) -> Path:
+    """Write the checkpoint (settings: see write_tiny_model) to `out` and return it, reusing an existing one unless
+    force. Without `out`, return the copy in the user cache, built there first if this machine has none."""
+    if out is None:
+        defaults = {name: param.default for name, param in inspect.signature(write_tiny_model).parameters.items()
+                    if param.kind is inspect.Parameter.KEYWORD_ONLY}
+        folder = cache_path("models", content_key(
+            json.dumps({**defaults, **settings}, sort_keys=True), *(path.read_bytes() for path in _GENERATOR_SOURCES),
+            torch.__version__, transformers.__version__, tokenizers.__version__))
+        name = f"tiny-{settings.get('arch', 'llama').replace('_', '-')}"
+        build_once(folder, lambda tmp: write_tiny_model(tmp / name, **settings),
+                   f"raylm: building the tiny model {name} (once per machine, ~10 s)...")
+        return folder / name
+    out = Path(out)
+    if all((out / name).is_file() for name in REQUIRED_FILES) and not force:
+        return out
+    return write_tiny_model(out, **settings)
+
+
+def write_tiny_model(
+    out: Path,
     *,
     arch: str = "llama",
     hidden_size: int = 128,
@@ -65,18 +91,14 @@ def make_tiny_model(
     moe_intermediate_size: int | None = None,
     mlp_only_layers: list[int] | None = None,
     norm_topk_prob: bool = True,
-    force: bool = False,
 ) -> Path:
-    """Write the checkpoint to `out` (default models/tiny-llama) and return it; reuse an existing one unless force.
+    """Write the checkpoint to `out`, replacing what is there, and return it.
 
     tie_word_embeddings=None means the arch's usual choice: untied for llama/mixtral/qwen3_moe, tied for qwen2/qwen3.
     rope_scaling may be "llama3" (Llama-3.1 style scaling) or an explicit rope-scaling dict.
     MoE archs route each token to num_experts_per_tok of num_experts experts. Qwen3-MoE only: experts of
     moe_intermediate_size (None: intermediate_size), dense layers at mlp_only_layers, norm_topk_prob.
     """
-    out = Path(out) if out is not None else DEFAULT_OUT
-    if all((out / name).is_file() for name in REQUIRED_FILES) and not force:
-        return out
     from transformers import (
         AutoModelForCausalLM,
         GenerationConfig,
@@ -181,7 +203,8 @@ def count_parameters(path: Path | str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: models/tiny-llama)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: the user cache, ~/.cache/raylm/models/<key>/tiny-<arch>)")
     p.add_argument("--arch", choices=ARCHS, default="llama")
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=2)
@@ -199,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mlp-only-layers", type=int, nargs="*", default=None, help="qwen3_moe: dense layers")
     p.add_argument("--norm-topk-prob", action=argparse.BooleanOptionalAction, default=True,
                    help="qwen3_moe: renormalise the top-k router weights")
-    p.add_argument("--force", action="store_true", help="rebuild even if a checkpoint is already there")
+    p.add_argument("--force", action="store_true",
+                   help="with --out: rewrite the checkpoint even if one is there (the cache is keyed by content)")
 
     start = time.perf_counter()
     out = make_tiny_model(**vars(p.parse_args(argv)))

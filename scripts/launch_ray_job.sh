@@ -5,10 +5,21 @@
 #   ray job stop <id>               stop it (raylm gets SIGTERM and shuts Serve down)
 #   ray stop                        stop the head node this script started
 # Extra arguments go to `raylm serve`, e.g. scripts/launch_ray_job.sh --model /path/to/checkpoint
+# Needs `ray` (and raylm's dependencies) on PATH: an activated environment where raylm is installed, or the .venv that
+# scripts/bootstrap.sh makes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The head node and the job's entrypoint use this checkout's environment (`raylm` comes from `pip install -e .`).
-export PATH="$PWD/.venv/bin:$PATH" RAY_USAGE_STATS_ENABLED=0
+if ! command -v ray >/dev/null 2>&1 && [ -x .venv/bin/ray ]; then
+  export PATH="$PWD/.venv/bin:$PATH"
+fi
+if ! command -v ray >/dev/null 2>&1; then
+  echo "launch_ray_job.sh: no \`ray\` on PATH; install raylm (\`pip install -e .\`) or run scripts/bootstrap.sh" >&2
+  exit 1
+fi
+export RAY_USAGE_STATS_ENABLED=0
+# The entrypoint runs on the head node, from the shipped working dir: the `raylm` command where this environment
+# has it, else the module itself (any Python with raylm's dependencies).
+if command -v raylm >/dev/null 2>&1; then entrypoint=(raylm); else entrypoint=(python -m cluster.cli); fi
 # Ray >= 2.5x starts clusters with token auth (~/.ray/auth_token); the job CLI must send the token too.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 port=${PORT:-8000}
@@ -23,7 +34,7 @@ job_id=raylm-$(date +%s)
 # Serve's graceful shutdown takes several seconds: give it more than Ray's default 3 s before SIGKILL.
 ray job submit --address "$dashboard" --submission-id "$job_id" --no-wait --working-dir . \
   --runtime-env-json '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}}' \
-  -- raylm serve --config configs/tiny.yaml --port "$port" "$@"
+  -- "${entrypoint[@]}" serve --config configs/tiny.yaml --port "$port" "$@"
 
 until curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; do
   case "$(ray job status --address "$dashboard" "$job_id" 2>/dev/null)" in

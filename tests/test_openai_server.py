@@ -175,6 +175,12 @@ def test_concurrent_streams(server: Server, llama_path: Path) -> None:
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": ["hi", "hello"], "max_tokens": MAX_MODEL_LEN, "stream": True}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "max_completion_tokens": MAX_MODEL_LEN}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "model": "no-such-model"}, 404, "model"),
@@ -187,6 +193,50 @@ def test_bad_input(server: Server, llama_path: Path, path: str, body: dict, stat
     assert got["error"]["code"] == status and got["error"]["param"] == param and got["error"]["message"]
     ok_status, ok = server.request("POST", "/v1/completions", {"prompt": "still serving", "max_tokens": 2})
     assert ok_status == 200 and ok["usage"]["completion_tokens"] >= 1
+
+
+def test_max_tokens_beyond_max_model_len_is_refused_like_vllm(client: openai.OpenAI, tokenizer: Any,
+                                                               llama_path: Path) -> None:
+    prompt = list(range(10, 30))
+    room = MAX_MODEL_LEN - len(prompt)
+    fits = client.completions.create(model=llama_path.name, prompt=prompt, max_tokens=room, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    assert fits.usage.completion_tokens == room
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=llama_path.name, prompt=prompt, max_tokens=room + 1)
+    assert refused.value.body["message"] == (
+        f"'max_tokens' or 'max_completion_tokens' is too large: {room + 1}. This model's maximum context length is "
+        f"{MAX_MODEL_LEN} tokens and your request has {len(prompt)} input tokens ({room + 1} > {MAX_MODEL_LEN} - "
+        f"{len(prompt)}).")
+    messages = [{"role": "user", "content": "Tell me about the river."}]
+    chat_room = MAX_MODEL_LEN - _chat_prompt_len(tokenizer, messages)
+    with pytest.raises(openai.BadRequestError, match=f"is too large: {chat_room + 1}. "):
+        client.chat.completions.create(model=llama_path.name, messages=messages, max_tokens=chat_room + 1, stream=True)
+    whole = client.chat.completions.create(model=llama_path.name, messages=messages, max_tokens=chat_room,
+                                           temperature=0.0, extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == chat_room
+
+
+def test_logprobs_entries_as_vllm_returns_them(client: openai.OpenAI, llama_path: Path) -> None:
+    """Sampled (not greedy), so that the sampled token is often outside the top 2: completions then list it first
+    among 3 entries, chat keeps exactly 2, the sampled token first. (Completions key by text, so tokens that decode
+    alike, such as partial UTF-8 bytes as U+FFFD, share an entry there, as in vLLM.)"""
+    common = dict(model=llama_path.name, max_tokens=24, temperature=1.5, seed=3, extra_body={"ignore_eos": True})
+    logprobs = client.completions.create(prompt="The quick brown fox", logprobs=2, **common).choices[0].logprobs
+    assert [len(top) for top in logprobs.top_logprobs].count(3) > 0
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert len(top) <= 3 and next(iter(top)) == token and (top[token] == logprob or token == "\ufffd")
+        assert len(top) < 3 or logprob < min(list(top.values())[1:])
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(24)]
+
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    content = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2,
+                                             **common).choices[0].logprobs.content
+    assert len(content) == 24
+    for entry in content:
+        assert [len(entry.top_logprobs), entry.top_logprobs[0].token, entry.top_logprobs[0].logprob] == \
+            [2, entry.token, entry.logprob]
+        assert entry.bytes == list(entry.token.encode()) == entry.top_logprobs[0].bytes
 
 
 def test_malformed_json_and_unknown_fields(server: Server) -> None:

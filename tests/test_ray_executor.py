@@ -17,9 +17,9 @@ import ray
 from cluster import LLM, SamplingParams
 from cluster.llm_engine import LLMEngine
 from cluster.tiny_model import make_tiny_model
-from configs import add_engine_args, engine_args_from, make_engine_config
+from configs import ParallelConfig, add_engine_args, engine_args_from, make_engine_config
 from executor import Executor, UniProcExecutor
-from executor.placement import placement_bundles, sort_bundles_by_node
+from executor.placement import assign_ranks, engine_bundles
 from executor.ray_executor import RayExecutor
 from runner.outputs import SchedulerOutput
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
@@ -200,9 +200,10 @@ def test_monitor_notices_an_idle_dead_worker(ray_cluster: Any, model_path: Path)
 
 def test_bundles_sorted_engine_node_first_then_by_node() -> None:
     bundle_nodes = {1: "node-b", 2: "node-a", 3: "engine", 4: "node-b", 5: "engine", 6: "node-a"}
-    assert sort_bundles_by_node(bundle_nodes, "engine") == [3, 5, 2, 6, 1, 4]
-    assert placement_bundles(2, "cuda") == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
-    assert placement_bundles(1, "cpu") == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert assign_ranks(bundle_nodes, 1, 1, "engine") == [3, 5, 2, 6, 1, 4]
+    tp2 = ParallelConfig(tensor_parallel_size=2)
+    assert engine_bundles(tp2, "cuda", None).bundles == [{"CPU": 1.0}, {"GPU": 1.0}, {"GPU": 1.0}]
+    assert engine_bundles(ParallelConfig(), "cpu", None).bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
 
 
 @pytest.mark.parametrize(("ray_gpu_id", "visible", "index"), [("3", None, 3), ("3", "3", 0), ("3", "1,3", 1),

@@ -75,3 +75,21 @@ def test_answers_through_serve(base_url: str, application: dict[str, Any], llama
     deployments = _get_global_client().get_serve_details()["applications"][application["name"]]["deployments"]
     autoscaling = deployments[f"LLMServer:{model}"]["deployment_config"]["autoscaling_config"]
     assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (1, 2)
+
+
+@pytest.mark.slow
+def test_tp2_replica_runs_in_the_placement_group_serve_creates(base_url: str, llama_path: Path) -> None:
+    app = build_app({"config": "configs/tiny.yaml", "model": str(llama_path), "served_model_name": "tp2",
+                     "tensor_parallel_size": 2, "distributed_executor_backend": "ray"})
+    serve.run(app, name="tp2", route_prefix="/tp2")
+    try:
+        client = openai.OpenAI(base_url=base_url.replace("/v1", "/tp2/v1"), api_key="unused", max_retries=0,
+                               timeout=60)
+        completion = client.completions.create(model="tp2", prompt="Once upon a time", max_tokens=4,
+                                               extra_body={"ignore_eos": True})
+        assert completion.usage.completion_tokens == 4
+        # Serve's group for the replica, one bundle for it and one for its TP group; the executor made none.
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert [g["bundles"] for g in groups] == [{0: {"CPU": 1.0}, 1: {"CPU": 2.0}}]
+    finally:
+        serve.delete("tp2")

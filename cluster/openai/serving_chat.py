@@ -23,6 +23,7 @@ from cluster.openai.serving_engine import (
     SSE_DONE,
     ChoiceState,
     OpenAIServing,
+    clamp_logprob,
     random_id,
     sse,
     sse_error,
@@ -35,8 +36,9 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         await self.engine.wait_until_ready()
-        prompt = self.engine_prompt(*self._apply_chat_template(request), "messages")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
+        prompt = self.engine_prompt(*self._apply_chat_template(request), "messages", max_tokens, max_tokens_param)
         params = self.sampling_params(request, max_tokens, self._num_logprobs(request))
         request_id = random_id("chatcmpl")
         outputs = self.engine.generate(request_id, prompt, params, request.priority or 0)
@@ -115,17 +117,18 @@ class OpenAIServingChat(OpenAIServing):
 
     def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
                   logprobs: list[dict[int, float]]) -> ChatLogprobs | None:
+        """vLLM's entries: top_logprobs holds exactly top_logprobs entries, the sampled token first, then the top
+        ones (so the last of the top n drops out when the sampled token is not among them)."""
         if not request.logprobs:
             return None
         num_top = request.top_logprobs or 0
         content = []
         for token_id, candidates in zip(token_ids, logprobs):
-            ranked = sorted(candidates.items(), key=lambda item: -item[1])[:num_top]
-            top = [self._top_logprob(top_id, logprob) for top_id, logprob in ranked]
+            top = [self._top_logprob(top_id, logprob) for top_id, logprob in list(candidates.items())[:num_top]]
             sampled = self._top_logprob(token_id, candidates[token_id])
             content.append(ChatLogprob(**sampled.model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)
 
     def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.token_text(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+        return TopLogprob(token=token, logprob=clamp_logprob(logprob), bytes=list(token.encode("utf-8")))

@@ -11,6 +11,7 @@ from cluster.openai.serving_engine import (
     SSE_DONE,
     ChoiceState,
     OpenAIServing,
+    clamp_logprob,
     merge_async_iterators,
     random_id,
     sse,
@@ -25,7 +26,8 @@ _Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncGenerator[str, None]:
         await self.engine.wait_until_ready()
-        prompts = [self.engine_prompt(text, ids, "prompt") for text, ids in self._tokenize(request.prompt)]
+        prompts = [self.engine_prompt(text, ids, "prompt", request.max_tokens)
+                   for text, ids in self._tokenize(request.prompt)]
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
         request_id = random_id("cmpl")
         priority = request.priority or 0
@@ -95,15 +97,17 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int | None,
                   text_offset: int) -> CompletionLogProbs | None:
+        """vLLM's entries: each position's top_logprobs holds the sampled token first, then the top num_top, so n + 1
+        entries when the sampled token is not among the top n, else n."""
         if num_top is None:
             return None
         result = CompletionLogProbs()
         for token_id, candidates in zip(token_ids, logprobs):
             token = self.token_text(token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(candidates[token_id])
-            ranked = sorted(candidates.items(), key=lambda item: -item[1])[:num_top]
-            result.top_logprobs.append({self.token_text(top_id): logprob for top_id, logprob in ranked})
+            result.token_logprobs.append(clamp_logprob(candidates[token_id]))
+            result.top_logprobs.append({self.token_text(top_id): clamp_logprob(logprob)
+                                        for top_id, logprob in list(candidates.items())[:num_top + 1]})
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result

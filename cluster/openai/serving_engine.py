@@ -19,6 +19,7 @@ from runner.sampling_params import SamplingParams
 T = TypeVar("T")
 
 MAX_LOGPROBS = 20
+MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) send for -inf, which JSON cannot carry
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -69,8 +70,11 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.engine.model_name
 
-    def engine_prompt(self, text: str | None, token_ids: list[int], param: str) -> dict[str, Any]:
-        """Checked here rather than in the engine so that a stream fails with a status, not in-band."""
+    def engine_prompt(self, text: str | None, token_ids: list[int], param: str, max_tokens: int | None,
+                      max_tokens_param: str = "max_tokens") -> dict[str, Any]:
+        """Checked here rather than in the engine so that a stream fails with a status, not in-band. Like vLLM's
+        server (and unlike the offline LLM, which stops at max_model_len), a prompt plus max_tokens beyond
+        max_model_len is refused."""
         info = self.engine.model_info
         if not token_ids:
             raise OpenAIError(f"{param}: it is empty (0 tokens)", param=param)
@@ -79,6 +83,11 @@ class OpenAIServing:
                 f"This model's maximum context length is {info.max_model_len} tokens, and the {param} has "
                 f"{len(token_ids)} tokens: it must be shorter to leave room for at least one output token",
                 param=param)
+        if max_tokens is not None and len(token_ids) + max_tokens > info.max_model_len:
+            raise OpenAIError(  # vLLM's words
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+                f"length is {info.max_model_len} tokens and your request has {len(token_ids)} input tokens "
+                f"({max_tokens} > {info.max_model_len} - {len(token_ids)}).", param=max_tokens_param)
         outside = [t for t in token_ids if not 0 <= t < info.vocab_size]
         if outside:
             raise OpenAIError(f"{param}: token ids {outside[:5]} are outside the vocabulary [0, {info.vocab_size})",
@@ -98,6 +107,10 @@ class OpenAIServing:
 
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
+
+
+def clamp_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
 async def merge_async_iterators(*iterators: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:

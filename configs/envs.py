@@ -1,0 +1,37 @@
+"""The environment variables raylm reads (vLLM keeps its own in `vllm/envs.py`).
+
+They cover what is set per machine or per deployment rather than per engine: where built artefacts are cached, and
+how long to wait for a Ray cluster to make room. Read at use, so a test or a Ray job can set them late.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+RAYLM_CACHE_DIR = "RAYLM_CACHE_DIR"
+RAYLM_PLACEMENT_GROUP_TIMEOUT_S = "RAYLM_PLACEMENT_GROUP_TIMEOUT_S"
+# vLLM's PG_WAIT_TIMEOUT: a cluster may be scaling up to fit the group.
+DEFAULT_PLACEMENT_GROUP_TIMEOUT_S = 1800.0
+
+
+def cache_dir() -> Path:
+    """The user cache of built artefacts (the tiny default model, the CPU kernels): $RAYLM_CACHE_DIR, else
+    $XDG_CACHE_HOME/raylm, else ~/.cache/raylm."""
+    if os.environ.get(RAYLM_CACHE_DIR):
+        return Path(os.environ[RAYLM_CACHE_DIR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "raylm"
+
+
+def placement_group_timeout_s() -> float:
+    """Seconds to wait for a placement group the cluster could hold but has no room for yet."""
+    value = os.environ.get(RAYLM_PLACEMENT_GROUP_TIMEOUT_S)
+    if not value:
+        return DEFAULT_PLACEMENT_GROUP_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{RAYLM_PLACEMENT_GROUP_TIMEOUT_S} must be a number of seconds > 0, got {value!r}")
+    return seconds
