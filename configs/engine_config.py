@@ -32,8 +32,9 @@ class CacheConfig(_Section):
     kv_cache_memory_gib: float = Field(1.0, gt=0.0, description="KV cache size on CPU")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="force the KV block count")
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "cpu"] = Field(
-        "auto", description="attention kernel; auto: cpu (raylm's kernels) for float32 on CPU, else torch")
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto", description="attention kernel; auto: cpu (raylm's kernels) for float32 on CPU, triton on CUDA when "
+                            "installed, else torch")
 
 
 class ParallelConfig(_Section):
@@ -47,6 +48,13 @@ class ParallelConfig(_Section):
         None, description="None: uni for one device, ray for more")
     placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     pp_layer_partition: list[int] | None = Field(None, description="layers per PP stage")
+    enable_dbo: bool = Field(
+        False, description="dual batch overlap: split a forward in two micro-batches whose expert all_to_alls overlap "
+                           "the other's compute (lock-step DP with expert parallel only)")
+    dbo_decode_token_threshold: int = Field(
+        32, ge=1, description="enable_dbo: least tokens of a decode-only batch that is split in micro-batches")
+    dbo_prefill_token_threshold: int = Field(
+        512, ge=1, description="enable_dbo: least tokens of a batch with prefills that is split in micro-batches")
 
     @property
     def world_size(self) -> int:
@@ -62,9 +70,18 @@ class SchedulerConfig(_Section):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
 
+CUDAGraphModeName = Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+
+
 class CompilationConfig(_Section):
-    enforce_eager: bool = Field(False, description="never capture CUDA graphs")
-    cudagraph_capture_sizes: list[int] | None = None
+    enforce_eager: bool = Field(False, description="never capture CUDA graphs (cudagraph_mode NONE)")
+    cudagraph_mode: CUDAGraphModeName | None = Field(
+        None, description="vLLM's modes; None: FULL_DECODE_ONLY on CUDA, NONE on CPU unless capture sizes are given")
+    cudagraph_capture_sizes: list[int] | None = Field(
+        None, description="batch sizes (tokens) to capture; default 1, 2, 4, then steps of 8 (16 past 256) up to "
+                          "max_cudagraph_capture_size")
+    max_cudagraph_capture_size: int | None = Field(
+        None, ge=1, description="largest capture size; default max_num_seqs (at most 512)")
     custom_ops: Literal["auto", "none"] = Field(
         "auto", description="none: plain torch ops everywhere, no compiled CPU kernels")
 
@@ -82,7 +99,10 @@ class ServingConfig(_Section):
 
 class ObservabilityConfig(_Section):
     disable_log_stats: bool = Field(False, description="no periodic engine stats line in the log")
+    log_batch_execution: bool = Field(
+        False, description="log each forward's batch decision: cudagraph mode, padding, micro-batches, DP tokens")
     log_stats_interval_s: float = Field(10.0, gt=0.0, description="seconds between engine stats lines")
+    trace_file: str | None = Field(None, description="write a Chrome trace of every step's phases on every rank here")
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -123,9 +143,26 @@ class EngineConfig:
                     f"pipeline stage (pipeline_parallel_size={parallel.pipeline_parallel_size})")
             if min(parallel.pp_layer_partition) < 1:
                 raise ValueError("pp_layer_partition: every stage needs at least 1 layer")
+        if parallel.enable_dbo and not (parallel.data_parallel_size > 1 and parallel.enable_expert_parallel):
+            raise ValueError(
+                f"enable_dbo needs data_parallel_size > 1 with enable_expert_parallel (micro-batches overlap the "
+                f"expert all_to_all of lock-step DP ranks); got data_parallel_size={parallel.data_parallel_size}, "
+                f"enable_expert_parallel={parallel.enable_expert_parallel}")
+        self._check_cudagraph_sizes()
         if self.cache_config.attention_backend == "cpu" and self.compilation_config.custom_ops == "none":
             raise ValueError("attention_backend 'cpu' needs raylm's CPU kernels, which custom_ops='none' turns off")
         if self.serving_config.min_replicas > self.serving_config.max_replicas:
             raise ValueError(
                 f"min_replicas ({self.serving_config.min_replicas}) must be <= max_replicas "
                 f"({self.serving_config.max_replicas})")
+
+    def _check_cudagraph_sizes(self) -> None:
+        compilation = self.compilation_config
+        sizes, largest = compilation.cudagraph_capture_sizes, compilation.max_cudagraph_capture_size
+        if sizes is None:
+            return
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"cudagraph_capture_sizes: {sizes}; give positive batch sizes")
+        if largest is not None and largest != max(sizes):
+            raise ValueError(f"max_cudagraph_capture_size ({largest}) must equal the largest of "
+                             f"cudagraph_capture_sizes ({max(sizes)}) when both are given")

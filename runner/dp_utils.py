@@ -42,7 +42,9 @@ def synchronize_dp_ranks(num_tokens_unpadded: Sequence[int], num_tokens_padded: 
     """The decision every rank takes from the all-reduced table (one entry per DP rank in each argument)."""
     assert len(num_tokens_unpadded) == len(num_tokens_padded) == len(wants_ubatch) == len(cudagraph_modes) > 0
     max_padded = max(num_tokens_padded)
-    should_ubatch = all(wants_ubatch) and not is_last_ubatch_empty(min(num_tokens_unpadded), max_padded)
+    # Neither side of the cut may be empty on any rank: the first starts at 0 and ends at max_padded // 2.
+    should_ubatch = (all(wants_ubatch) and max_padded >= NUM_UBATCHES
+                     and not is_last_ubatch_empty(min(num_tokens_unpadded), max_padded))
     cudagraph_mode = CUDAGraphMode(min(cudagraph_modes))
     # Captured graphs and micro-batches need the same size on every rank; an eager forward is not padded.
     if should_ubatch or cudagraph_mode != CUDAGraphMode.NONE:

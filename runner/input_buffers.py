@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner.attention.backend import AttentionBackend, AttentionMetadata
 from runner.attention.common import CommonAttentionMetadata
 from runner.input_batch import InputBatch
 from runner.outputs import SchedulerOutput
@@ -36,7 +35,6 @@ class InputBuffersMixin:
     max_num_tokens: int
     max_blocks_per_req: int
     input_batch: InputBatch
-    attn_backend: AttentionBackend
 
     def _init_input_buffers(self) -> None:
         device = self.device
@@ -49,9 +47,10 @@ class InputBuffersMixin:
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput
-                        ) -> tuple[AttentionMetadata, int, np.ndarray, torch.Tensor]:
-        """Pack the scheduled tokens of the InputBatch rows: (attention metadata, num_tokens, the rows that sample,
-        logits_indices = the last scheduled token of each of those rows)."""
+                        ) -> tuple[CommonAttentionMetadata, int, np.ndarray, torch.Tensor]:
+        """Pack the scheduled tokens of the InputBatch rows: (the backend-independent attention metadata, num_tokens,
+        the rows that sample, logits_indices = the last scheduled token of each of those rows). The backend builds
+        its metadata once the batch decision is taken: per micro-batch, or not at all for a CUDA graph replay."""
         batch = self.input_batch
         num_reqs = batch.num_reqs
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
@@ -93,7 +92,7 @@ class InputBuffersMixin:
         self.block_table[:num_reqs, :max_blocks].copy_(
             torch.from_numpy(batch.block_table.table[:num_reqs, :max_blocks]), non_blocking=True)
 
-        metadata = CommonAttentionMetadata(
+        common = CommonAttentionMetadata(
             query_start_loc=self.query_start_loc.gpu[: num_reqs + 1],
             query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
             seq_lens=self.seq_lens.gpu[:num_reqs],
@@ -105,11 +104,12 @@ class InputBuffersMixin:
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        return self.attn_backend.build(metadata), num_tokens, sampling_rows, logits_indices
+        return common, num_tokens, sampling_rows, logits_indices
 
     def _pad_inputs(self, num_tokens: int, num_tokens_padded: int) -> None:
         """Padding rows after the scheduled tokens: token 0 at position 0, no KV cache slot (-1 writes nothing).
-        The attention backends ignore rows past num_actual_tokens, and no padding row is sampled."""
+        The attention backends ignore rows past num_actual_tokens (a captured graph sends them to a scratch slot),
+        and no padding row is sampled."""
         assert num_tokens <= num_tokens_padded <= self.max_num_tokens, (num_tokens, num_tokens_padded)
         self.input_ids.gpu[num_tokens:num_tokens_padded].zero_()
         self.positions.gpu[num_tokens:num_tokens_padded].zero_()

@@ -5,12 +5,12 @@ inputs into persistent buffers, decide how the batch runs, run the forward, keep
 sample_tokens: sample from the kept logits and append the tokens to the batch.
 
 Every forward (a step, a dummy batch, the profile run) goes through `_determine_batch_execution_and_padding` and
-then `_run_forward`, the only caller of the model: under lock-step data parallel each forward joins the DP ranks'
-coordination, so no rank can skip a collective the others wait in.
+then `_run_forward` (runner/batch_execution.py), the only caller of the model: under lock-step data parallel each
+forward joins the DP ranks' coordination, so no rank can skip a collective the others wait in. The decision (one
+BatchDescriptor) fixes the CUDA-graph mode and padded size, and whether the forward runs as two micro-batches.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,23 +19,19 @@ import torch
 
 from configs import EngineConfig
 from configs.model_info import ModelInfo
-from runner import cpu_kernels
+from runner import cpu_kernels, tracing
 from runner.attention import get_attn_backend
-from runner.attention.backend import AttentionMetadata
-from runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
-from runner.dp_utils import coordinate_batch_across_dp
-from runner.forward_context import set_forward_context
+from runner.batch_execution import BatchExecutionMixin
+from runner.cuda_graph import CUDAGraphCaptureMixin
 from runner.group_coordinator import GroupCoordinator
 from runner.input_batch import CachedRequestState, InputBatch
-from runner.input_buffers import InputBuffersMixin
 from runner.models.loader import load_model
 from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from runner.parallel_state import get_dp_group, get_pp_group
 from runner.prompt_logprobs import PromptLogprobsProcessor
 from runner.sampler import Sampler
 from runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_lists
-
-logger = logging.getLogger(__name__)
+from runner.ubatching import current_ubatch_id
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -50,16 +46,18 @@ class ExecuteModelState:
 
 
 class _CallCounter:
-    """A forward pre-hook that counts calls. Not a runner method: the model would then keep the runner alive."""
+    """A forward pre-hook that counts forwards: a micro-batched forward calls the model once per ubatch and counts
+    once. Not a runner method: the model would then keep the runner alive."""
 
     def __init__(self) -> None:
         self.count = 0
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        self.count += 1
+        if not current_ubatch_id():
+            self.count += 1
 
 
-class ModelRunner(InputBuffersMixin):
+class ModelRunner(BatchExecutionMixin, CUDAGraphCaptureMixin):
     def __init__(self, config: EngineConfig, model_info: ModelInfo, device: torch.device) -> None:
         self.config = config
         self.model_info = model_info
@@ -89,6 +87,8 @@ class ModelRunner(InputBuffersMixin):
         # For tests: under lock-step DP every forward is coordinated, so the two are always equal.
         self._forward_counter = _CallCounter()
         self.num_dp_coordinations = 0
+        self.scratch_slot = -1  # the KV cache's extra slot that padded decode rows write to inside a graph
+        self._init_batch_execution()
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -123,8 +123,11 @@ class ModelRunner(InputBuffersMixin):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         # A pool smaller than max_model_len is allowed: the scheduler rejects each request that could never fit.
         self.kv_caches = []
+        # One block past the scheduler's: inside a graph, padded rows write there (no per-row branch is possible).
+        extra = 1 if self._captures_decode_graphs() else 0
+        self.scratch_slot = num_blocks * self.block_size if extra else -1
         for layer in self.attention_layers():
-            shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads,
+            shape = self.attn_backend.get_kv_cache_shape(num_blocks + extra, self.block_size, layer.num_kv_heads,
                                                          layer.head_size)
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
@@ -147,7 +150,8 @@ class ModelRunner(InputBuffersMixin):
         if self.execute_model_state is not None:
             raise RuntimeError("execute_model called twice without sample_tokens: the previous step's logits "
                                "were never sampled")
-        self._update_states(scheduler_output)
+        with tracing.span("update_states"):
+            self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             if self.dp_group is not None and self.dp_group.world_size > 1:
                 # The other DP ranks' forwards wait for this one in their collectives.
@@ -157,16 +161,18 @@ class ModelRunner(InputBuffersMixin):
         pp = get_pp_group()
         assert pp.is_first_rank or intermediate_tensors is not None, "a later pipeline stage needs the tensors sent"
 
-        attn_metadata, num_tokens, sampling_rows, logits_indices = self._prepare_inputs(scheduler_output)
+        with tracing.span("prepare_inputs"):
+            common, num_tokens, sampling_rows, logits_indices = self._prepare_inputs(scheduler_output)
         num_reqs = self.input_batch.num_reqs
         # Each request in the batch has at least one scheduled token: as many tokens as requests is all decode.
-        output = self._run_forward(num_tokens, num_reqs, num_tokens == num_reqs, attn_metadata, intermediate_tensors)
+        output = self._run_forward(num_tokens, num_reqs, num_tokens == num_reqs, common, intermediate_tensors)
         if not pp.is_last_rank:
             return output
         assert isinstance(output, torch.Tensor)
         # Padding rows (if any) come after the real tokens: logits_indices never reach them.
-        logits = self.model.compute_logits(output[logits_indices]).float()
-        self.prompt_logprobs.compute(output, self.input_batch, self.query_start_loc.np, self.model.compute_logits)
+        with tracing.span("compute_logits"):
+            logits = self.model.compute_logits(output[logits_indices]).float()
+            self.prompt_logprobs.compute(output, self.input_batch, self.query_start_loc.np, self.model.compute_logits)
         self.execute_model_state = ExecuteModelState(scheduler_output, logits, sampling_rows)
         return None
 
@@ -178,8 +184,9 @@ class ModelRunner(InputBuffersMixin):
         self.execute_model_state = None
         batch = self.input_batch
         rows = state.sampling_rows
-        sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
-        sampled = sampler_output.sampled_token_ids.tolist()
+        with tracing.span("sample"):
+            sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
+            sampled = sampler_output.sampled_token_ids.tolist()
         batch.append_sampled(rows, sampled)
 
         req_ids = batch.req_ids[: batch.num_reqs]
@@ -237,58 +244,3 @@ class ModelRunner(InputBuffersMixin):
         if rows:
             batch.num_computed_tokens_cpu[rows] = rows_num_computed
         batch.condense()
-
-    # ---- how a forward runs ----------------------------------------------------------------
-
-    @torch.inference_mode()
-    def execute_dummy_batch(self) -> None:
-        """A forward of one placeholder token, so that an idle DP rank joins the collectives of the ranks with work."""
-        self._dummy_run(1)
-
-    def _dummy_run(self, num_tokens: int, uniform_decode: bool = True) -> torch.Tensor | IntermediateTensors:
-        """A forward of `num_tokens` zero tokens at position 0, without attention metadata (causal attention over the
-        batch, the KV cache untouched). The InputBatch and execute_model_state are untouched; nothing is sampled."""
-        num_reqs = num_tokens if uniform_decode else min(num_tokens, self.max_num_reqs)
-        self._pad_inputs(0, num_tokens)  # a dummy batch is padding only
-        return self._run_forward(num_tokens, num_reqs, uniform_decode, None, None)
-
-    def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int,
-                                               uniform_decode: bool) -> BatchDescriptor:
-        """How a forward runs. Locally eager and unpadded: nothing is captured yet (the CUDA-graph dispatcher and
-        the micro-batching thresholds decide these three later). Lock-step DP ranks then agree on one plan."""
-        cudagraph_mode = CUDAGraphMode.NONE
-        num_tokens_padded = num_tokens
-        wants_ubatch = False
-        dp = self.dp_group
-        assert dp is not None, "load_model first"
-        if dp.world_size == 1:
-            descriptor = BatchDescriptor(num_tokens, num_tokens_padded, num_reqs, uniform_decode, cudagraph_mode,
-                                         wants_ubatch)
-        else:
-            decision = coordinate_batch_across_dp(num_tokens, num_tokens_padded, wants_ubatch, cudagraph_mode, dp)
-            self.num_dp_coordinations += 1
-            descriptor = BatchDescriptor(num_tokens, decision.num_tokens_across_dp[dp.rank_in_group], num_reqs,
-                                         uniform_decode, decision.cudagraph_mode, decision.should_ubatch,
-                                         decision.num_tokens_across_dp)
-        logger.debug("forward: %d tokens, padded to %d, cudagraph %s, ubatch %s, DP tokens %s", num_tokens,
-                     descriptor.num_tokens_padded, descriptor.cudagraph_mode.name, descriptor.should_ubatch,
-                     descriptor.num_tokens_across_dp)
-        return descriptor
-
-    def _run_forward(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
-                     attn_metadata: AttentionMetadata | None,
-                     intermediate_tensors: IntermediateTensors | None) -> torch.Tensor | IntermediateTensors:
-        """The one call of the model, always after the batch decision (so after the DP coordination). The first
-        `num_tokens` input rows are written; padding rows are filled here. A later pipeline stage without received
-        tensors (dummy and profile runs: no stage-to-stage traffic) runs on zeros."""
-        assert self.model is not None, "load_model first"
-        batch_descriptor = self._determine_batch_execution_and_padding(num_tokens, num_reqs, uniform_decode)
-        n = batch_descriptor.num_tokens_padded
-        if n > num_tokens:
-            self._pad_inputs(num_tokens, n)
-        if intermediate_tensors is None and not get_pp_group().is_first_rank:
-            intermediate_tensors = self.model.make_empty_intermediate_tensors(n, self.dtype, self.device)
-        # The previous stage took the same decision for the same batch, so it sent n rows.
-        assert intermediate_tensors is None or intermediate_tensors["hidden_states"].shape[0] == n
-        with set_forward_context(attn_metadata, n, batch_descriptor):
-            return self.model(self.input_ids.gpu[:n], self.positions.gpu[:n], intermediate_tensors)

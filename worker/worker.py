@@ -1,6 +1,8 @@
 """Worker: the device owner. Executors call these methods on every rank, in the same order."""
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -8,6 +10,7 @@ import torch
 
 from configs import EngineConfig
 from configs.model_info import ModelInfo
+from runner import tracing
 from runner.model_runner import ModelRunner
 from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from runner.parallel_state import (
@@ -21,6 +24,7 @@ from runner.parallel_state import (
 from runner.platform import device_type
 
 _GIB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -35,9 +39,13 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.num_threads = num_threads
         self.device: torch.device | None = None
+        self.num_steps = 0  # execute_model calls: the timeline's step number, equal to the engine's
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
+        if self.config.observability_config.trace_file:
+            pp, tp = divmod(self.rank, self.config.parallel_config.tensor_parallel_size)
+            tracing.enable(f"rank {self.rank} (TP {tp}, PP {pp})", pid=1 + self.rank)
         kind = device_type(self.config.model_config)
         if kind == "cuda":
             self.device = torch.device("cuda", self.local_rank)
@@ -72,41 +80,76 @@ class Worker:
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
         budget = total * self.config.cache_config.gpu_memory_utilization - used_by_others
-        return max(0, int(budget - torch.cuda.max_memory_allocated()))
+        # The CUDA graphs captured after the KV cache need their own memory beyond the profile run's peak.
+        return max(0, int(budget - torch.cuda.max_memory_allocated() - runner.cudagraph_memory_estimate()))
 
     def kv_cache_bytes_per_block(self) -> int:
         return self._runner().kv_cache_bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._runner().initialize_kv_cache(num_blocks)
+        # Graphs read the KV cache at fixed addresses: they are captured once it exists.
+        self.compile_or_warm_up_model()
+
+    def compile_or_warm_up_model(self) -> None:
+        """Capture the CUDA graphs (CUDA only; on CPU every forward runs eagerly), logging time and memory."""
+        runner = self._runner()
+        assert self.device is not None
+        if self.device.type != "cuda":
+            return
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        num_graphs = runner.capture_model()
+        if num_graphs:
+            torch.cuda.synchronize()
+            used = free_before - torch.cuda.mem_get_info()[0]
+            logger.info("captured %d CUDA graphs (sizes %s) in %.1f s, %.2f GiB", num_graphs,
+                        runner.cudagraph_dispatcher.full_capture_sizes, time.perf_counter() - start, used / _GIB)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run this rank's pipeline stage: receive from the previous stage, forward, send to the next. None: the
         step's tokens come from sample_tokens (on the last stage) or from another rank."""
         runner = self._runner()
         pp = get_pp_group()
+        tracing.set_step(self.num_steps)
+        self.num_steps += 1
         intermediate: IntermediateTensors | None = None
         # Every stage sees the same SchedulerOutput, so all agree on whether anything is sent.
         if not pp.is_first_rank and scheduler_output.total_num_scheduled_tokens > 0:
-            intermediate = IntermediateTensors(pp.recv_tensor_dict())
-        output = runner.execute_model(scheduler_output, intermediate)
+            with tracing.span("pp_recv"):
+                intermediate = IntermediateTensors(pp.recv_tensor_dict())
+        with tracing.span("execute_model", num_tokens=scheduler_output.total_num_scheduled_tokens):
+            output = runner.execute_model(scheduler_output, intermediate)
         if isinstance(output, IntermediateTensors):
-            pp.send_tensor_dict(output.tensors)
+            with tracing.span("pp_send"):
+                pp.send_tensor_dict(output.tensors)
             return None
         return output
 
     def sample_tokens(self) -> ModelRunnerOutput | None:
-        return self._runner().sample_tokens()
+        with tracing.span("sample_tokens"):
+            return self._runner().sample_tokens()
+
+    def drain_trace(self) -> list[dict[str, Any]]:
+        """This process's timeline events since the last drain (runner/tracing.py)."""
+        return tracing.drain()
 
     def execute_dummy_batch(self) -> None:
         """A forward with no requests, so that this idle DP rank joins the collectives of the ranks that have work.
         Every pipeline stage runs its own (no stage-to-stage traffic): only the DP and EP groups need the call."""
-        self._runner().execute_dummy_batch()
+        with tracing.span("dummy_batch"):
+            self._runner().execute_dummy_batch()
 
     def forward_counts(self) -> tuple[int, int]:
         """(forwards run, DP batch coordinations joined) so far: equal on every rank of lock-step DP engines."""
         runner = self._runner()
         return runner.num_forwards, runner.num_dp_coordinations
+
+    def batch_execution_counts(self) -> dict[str, int]:
+        """Forwards run padded, and micro-batched, so far (how the batch decisions went)."""
+        runner = self._runner()
+        return {"padded": runner.num_padded_forwards, "ubatched": runner.num_ubatched_forwards}
 
     def has_unfinished_across_dp(self, has_unfinished: bool) -> bool:
         """Whether any lock-step DP engine still has requests: every DP rank asks at the same step, so this collective

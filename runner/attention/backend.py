@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import ClassVar
 
 import torch
@@ -20,8 +21,18 @@ class AttentionMetadata:
     num_actual_tokens: int
 
 
+class AttentionCGSupport(IntEnum):
+    """Which batches a backend's attention can run inside a captured CUDA graph (vLLM's levels)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # every request one query token, metadata in fixed buffers
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str]
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     @staticmethod
     @abstractmethod

@@ -3,7 +3,8 @@ expert outputs back and sum them with the router weights.
 
 Rank r of the EP group owns the global experts [r * E_local, (r + 1) * E_local). Every rank calls the same collectives
 in the same order on every forward, whatever its token count (zero included): a rank that skipped one would hang the
-others. Managers are swappable (a DeepEP-like backend later) behind All2AllManagerBase.
+others. Under dual batch overlap each exchange is an async collective that the other micro-batch's compute overlaps.
+Managers are swappable (a DeepEP-like backend later) behind All2AllManagerBase.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from runner.group_coordinator import GroupCoordinator
+from runner.ubatching import dbo_enabled, dbo_yield
 
 
 def combine_topk(pair_outputs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -69,7 +71,8 @@ class All2AllManager(All2AllManagerBase):
         order = flat_ids.argsort(stable=True)
         send_per_expert = torch.bincount(flat_ids, minlength=self.num_experts)
         # Row r of the result: how many rows rank r sends to each of this rank's experts.
-        recv_per_expert = self._all_to_all(send_per_expert)
+        # A few integers: not worth a hand-off to the other micro-batch (the row exchanges below are).
+        recv_per_expert = self._all_to_all(send_per_expert, overlap=False)
         counts = torch.stack([send_per_expert.view(world, local).sum(1), recv_per_expert.view(world, local).sum(1)])
         send_counts, recv_counts = counts.tolist()
         rows = hidden_states[order // top_k]
@@ -85,13 +88,21 @@ class All2AllManager(All2AllManagerBase):
         return combine_topk(pair_outputs.view(num_tokens, top_k, returned.shape[1]), handle.topk_weights)
 
     def _all_to_all(self, tensor: torch.Tensor, output_split_sizes: list[int] | None = None,
-                    input_split_sizes: list[int] | None = None) -> torch.Tensor:
+                    input_split_sizes: list[int] | None = None, overlap: bool = True) -> torch.Tensor:
         """Rows of `tensor` split by `input_split_sizes` (None: evenly) to the group's ranks; the rows received, in
-        rank order. A group of one has no process group: its only rank keeps everything."""
+        rank order. A group of one has no process group: its only rank keeps everything. `overlap`: under dual batch
+        overlap, run the other micro-batch while this exchange is in flight."""
         if self.group.world_size == 1:
             return tensor
         rows = tensor.shape[0] if output_split_sizes is None else sum(output_split_sizes)
         out = tensor.new_empty(rows, *tensor.shape[1:])
-        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes, input_split_sizes,
-                               group=self.group.device_group)
+        if not (overlap and dbo_enabled()):
+            dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes, input_split_sizes,
+                                   group=self.group.device_group)
+            return out
+        # A micro-batch: the other one computes while this exchange is in flight (runner/ubatching.py).
+        work = dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes, input_split_sizes,
+                                      group=self.group.device_group, async_op=True)
+        dbo_yield()
+        work.wait()
         return out

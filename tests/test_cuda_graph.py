@@ -1,0 +1,45 @@
+"""FULL CUDA graphs (needs CUDA): a captured graph's replay gives the eager forward's logits and tokens at every capture
+size, and for the batch sizes between them (padded up to the next size)."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.model_runner import ModelRunner
+from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CAPTURE_SIZES = [1, 2, 4, 8]
+SETTINGS = dict(attention_backend="torch", max_num_seqs=8, num_blocks=256, device="cuda")
+
+
+def serve(runner: ModelRunner, batch: int, steps: Steps) -> tuple[list[dict[str, list[int]]], list[torch.Tensor]]:
+    """`batch` new prompts (eager: not uniform decode), then three decode steps of all of them."""
+    rng = random.Random(batch)
+    prompts = {f"r{batch}-{i}": [rng.randrange(5, 512) for _ in range(rng.randrange(1, 12))] for i in range(batch)}
+    schedule = [steps.schedule(prompts)] + [steps.schedule(decodes=dict.fromkeys(prompts, 1)) for _ in range(3)]
+    results = [run_step(runner, out) for out in schedule]
+    return [tokens for tokens, _ in results], [logits for _, logits in results]
+
+
+@pytest.mark.usefixtures(model_parallel_of_one.__name__)
+def test_graph_replay_equals_eager_on_every_capture_size(llama_path: Path) -> None:
+    graphed = make_runner(llama_path, cudagraph_capture_sizes=CAPTURE_SIZES, **SETTINGS)
+    assert graphed.capture_model() == len(CAPTURE_SIZES)
+    assert graphed.graph_runner is not None
+    replayed: list[int] = []
+    replay = graphed.graph_runner.replay
+    graphed.graph_runner.replay = lambda n: replayed.append(n) or replay(n)  # type: ignore[method-assign]
+    eager = make_runner(llama_path, enforce_eager=True, **SETTINGS)
+    graphed_steps, eager_steps = Steps(graphed.block_size), Steps(eager.block_size)
+    for batch in range(1, max(CAPTURE_SIZES) + 1):
+        tokens, logits = serve(graphed, batch, graphed_steps)
+        expected_tokens, expected_logits = serve(eager, batch, eager_steps)
+        assert tokens == expected_tokens, f"batch of {batch}"
+        for ours, reference in zip(logits, expected_logits):
+            torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    # Every decode step replayed the graph of its batch size rounded up to a capture size.
+    assert replayed == [size for batch in range(1, 9) for size in [min(s for s in CAPTURE_SIZES if s >= batch)] * 3]

@@ -1,0 +1,127 @@
+"""The CUDA-graph dispatcher's table (capture sizes, rounding, FULL only for uniform decode, enforce_eager, custom
+sizes, CPU default), the settings that feed it, and the ModelRunner's batch decision on real steps: uniform decode
+detected, padding applied, the trace line logged."""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from configs import make_engine_config
+from runner.batch_descriptor import CUDAGraphMode
+from runner.cudagraph_dispatcher import CudagraphDispatcher, default_capture_sizes
+from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_step
+
+NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+
+
+def dispatcher(device: str = "cpu", allow_full: bool = True, **settings: Any) -> CudagraphDispatcher:
+    config = make_engine_config(**settings)
+    return CudagraphDispatcher(config.compilation_config, config.scheduler_config, device, allow_full)
+
+
+def test_default_capture_sizes_are_vllms() -> None:
+    assert default_capture_sizes(3) == [1, 2]
+    assert default_capture_sizes(128) == [1, 2, 4, *range(8, 129, 8)]
+    sizes = default_capture_sizes(300)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-4:] == [248, 256, 272, 288]
+    # max_num_seqs bounds the default; max_cudagraph_capture_size replaces that bound.
+    assert dispatcher("cuda", max_num_seqs=20).capture_sizes == [1, 2, 4, 8, 16]
+    assert dispatcher("cuda", max_num_seqs=20, max_cudagraph_capture_size=40).capture_sizes[-1] == 40
+
+
+def test_cuda_default_is_full_for_uniform_decode_only() -> None:
+    d = dispatcher("cuda", max_num_seqs=128)
+    assert d.mode_name == "FULL_DECODE_ONLY"
+    assert d.dispatch(1, True) == (FULL, 1)
+    assert d.dispatch(5, True) == (FULL, 8)  # rounded up to the nearest size
+    assert d.dispatch(17, True) == (FULL, 24)
+    assert d.dispatch(128, True) == (FULL, 128)
+    assert d.dispatch(129, True) == (NONE, 129)  # past the largest size: eager, unpadded
+    assert d.dispatch(5, False) == (NONE, 5)  # a batch with a prefill: eager
+    assert d.full_capture_sizes == d.capture_sizes
+
+
+def test_cpu_default_never_pads() -> None:
+    d = dispatcher("cpu")
+    assert d.mode_name == "NONE" and d.full_capture_sizes == []
+    for num_tokens, uniform in [(1, True), (5, True), (7, False), (2048, False)]:
+        assert d.dispatch(num_tokens, uniform) == (NONE, num_tokens)
+    # Asking for sizes on CPU pads as on CUDA (and runs eagerly).
+    assert dispatcher("cpu", cudagraph_capture_sizes=[4]).dispatch(3, True) == (FULL, 4)
+
+
+@pytest.mark.parametrize("settings", [dict(enforce_eager=True), dict(enforce_eager=True, cudagraph_mode="FULL"),
+                                      dict(cudagraph_mode="NONE")])
+def test_eager_settings(settings: dict[str, Any]) -> None:
+    d = dispatcher("cuda", **settings)
+    assert d.mode_name == "NONE" and d.full_capture_sizes == []
+    assert d.dispatch(3, True) == (NONE, 3) and d.dispatch(3, False) == (NONE, 3)
+
+
+def test_custom_sizes_and_modes() -> None:
+    d = dispatcher("cpu", cudagraph_capture_sizes=[10, 3, 3], cudagraph_mode="FULL_AND_PIECEWISE")
+    assert d.capture_sizes == [3, 10]
+    assert d.dispatch(1, True) == (FULL, 3)
+    assert d.dispatch(4, False) == (PIECEWISE, 10)
+    assert d.dispatch(11, False) == (NONE, 11)
+    assert dispatcher("cpu", cudagraph_capture_sizes=[4], cudagraph_mode="PIECEWISE").dispatch(2, True) == (
+        PIECEWISE, 4)
+    # vLLM's FULL would capture mixed batches too: raylm's graphs are uniform-decode only, mixed batches run eagerly.
+    assert dispatcher("cpu", cudagraph_capture_sizes=[4], cudagraph_mode="FULL").dispatch(2, False) == (NONE, 2)
+    # Sizes past the step's token budget can never be used.
+    assert dispatcher("cpu", cudagraph_capture_sizes=[4, 4096], max_num_batched_tokens=64).capture_sizes == [4]
+    # A FULL graph of more requests than the batch holds: the mixed mode instead.
+    d = dispatcher("cpu", cudagraph_capture_sizes=[4, 16], cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=8)
+    assert d.dispatch(6, True) == (PIECEWISE, 16) and d.full_capture_sizes == [4]
+
+
+def test_models_without_full_graphs() -> None:
+    """MoE models (expert counts read to the host) and pipeline stages: no FULL, the mixed batches' mode instead."""
+    assert dispatcher("cuda", allow_full=False).dispatch(3, True) == (NONE, 3)
+    d = dispatcher("cuda", allow_full=False, cudagraph_mode="FULL_AND_PIECEWISE")
+    assert d.dispatch(3, True) == (PIECEWISE, 4) and d.full_capture_sizes == []
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(enable_dbo=True), "enable_dbo needs data_parallel_size > 1 with enable_expert_parallel"),
+    (dict(enable_dbo=True, data_parallel_size=2), "enable_expert_parallel=False"),
+    (dict(enable_dbo=True, enable_expert_parallel=True), "data_parallel_size=1"),
+    (dict(dbo_decode_token_threshold=0), "dbo_decode_token_threshold"),
+    (dict(cudagraph_mode="SOMETIMES"), "cudagraph_mode"),
+    (dict(cudagraph_capture_sizes=[0, 8]), "cudagraph_capture_sizes"),
+    (dict(cudagraph_capture_sizes=[8, 16], max_cudagraph_capture_size=32), "max_cudagraph_capture_size (32)"),
+])
+def test_bad_settings_name_the_field(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_engine_config(**settings)
+
+
+@pytest.mark.usefixtures(model_parallel_of_one.__name__)
+def test_runner_detects_uniform_decode_and_pads(llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    runner = make_runner(llama_path, cudagraph_capture_sizes=[3, 8], cudagraph_mode="FULL_AND_PIECEWISE",
+                         log_batch_execution=True)
+    descriptors = []
+    decide = runner._determine_batch_execution_and_padding
+
+    def record(*args: Any) -> Any:
+        descriptors.append(decide(*args))
+        return descriptors[-1]
+
+    runner._determine_batch_execution_and_padding = record  # type: ignore[method-assign]
+    caplog.set_level(logging.INFO, logger="runner.batch_execution")
+    steps = Steps()
+    run_step(runner, steps.schedule({"a": [5, 6, 7, 8, 9], "b": [3, 4]}))  # 7 tokens: PIECEWISE, padded to 8
+    run_step(runner, steps.schedule(decodes={"a": 1, "b": 1}))  # 2 decodes: FULL, padded to 3
+    run_step(runner, steps.schedule({"c": [11, 12, 13]}, {"a": 1}))  # a decode beside a prefill: not uniform
+    run_step(runner, steps.schedule({"d": [11] * 9}))  # past the largest size: eager, unpadded
+    got = [(d.num_tokens, d.num_reqs, d.uniform_decode, d.cudagraph_mode, d.num_tokens_padded) for d in descriptors]
+    assert got == [(7, 2, False, PIECEWISE, 8), (2, 2, True, FULL, 3), (4, 2, False, PIECEWISE, 8),
+                   (9, 1, False, NONE, 9)]
+    assert runner.num_padded_forwards == 3
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("forward:")]
+    assert lines[1] == ("forward: 2 tokens of 2 requests (uniform decode), padded to 3, cudagraph FULL, "
+                        "ubatches none, DP tokens None")
