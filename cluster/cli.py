@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampled requests")
     add_engine_args(generate)
+    generate.add_argument("--trace", dest="trace_file", default=None, help="same as --trace-file")
 
     serve = commands.add_parser("serve", help="serve the OpenAI API: a Ray Serve app, or uvicorn with --no-ray")
     serve.add_argument("--config", dest="config_file", help="YAML file of settings (configs/*.yaml)")
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="Ray cluster to join (default: $RAY_ADDRESS, else the local `ray start` cluster, "
                             "else a new local Ray)")
     add_engine_args(serve)
+    serve.add_argument("--trace", dest="trace_file", default=None, help="same as --trace-file")
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return serving_benchmark.run(args)
         return _serve(args) if args.command == "serve" else _generate(args)
-    except ValueError as err:
+    except (ValueError, TimeoutError) as err:  # bad settings; a cluster that cannot (or did not) make room
         print(f"raylm: error: {err}", file=sys.stderr)
         return 2
 

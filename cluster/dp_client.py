@@ -154,6 +154,10 @@ class DPEngineCoreClient:
         """A Worker method on every worker of every engine; results in global rank order."""
         return [result for results in self._call_all("collective_rpc", method, args) for result in results]
 
+    def drain_trace(self) -> list[dict[str, Any]]:
+        """Every engine's timeline events (each numbers its own trace processes apart)."""
+        return [event for events in self._call_all("drain_trace") for event in events]
+
     def reset_prefix_cache(self) -> bool:
         return all(self._call_all("reset_prefix_cache"))
 

@@ -18,6 +18,7 @@ from cluster.stats import SchedulerStats
 from configs import EngineConfig
 from configs.model_info import ModelInfo
 from executor import Executor
+from runner import tracing
 from runner.outputs import ModelRunnerOutput, SchedulerOutput
 from runner.parallel_state import NO_DATA_PARALLEL, DataParallelInfo
 
@@ -32,9 +33,13 @@ class EngineCore:
     num_engines = 1
 
     def __init__(self, config: EngineConfig, model_info: ModelInfo,
-                 data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
+                 data_parallel: DataParallelInfo = NO_DATA_PARALLEL, engine_index: int = 0) -> None:
         self.config = config
         self.model_info = model_info
+        self.engine_index = engine_index
+        self.num_steps = 0  # steps dispatched: the step number of the timeline, on every rank alike
+        if config.observability_config.trace_file:
+            tracing.enable(f"engine {engine_index}", pid=0)
         self.executor = Executor.get_class(config)(config, model_info, data_parallel)
         try:
             self.num_blocks = self.executor.determine_num_blocks()
@@ -71,10 +76,12 @@ class EngineCore:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
-        scheduler_output = self.scheduler.schedule()
-        output = self.executor.execute_model(scheduler_output).result()
+        scheduler_output = self._schedule()
+        with tracing.span("execute_model"):
+            output = self.executor.execute_model(scheduler_output).result()
         if output is None:
-            output = self.executor.sample_tokens().result()
+            with tracing.span("sample_tokens"):
+                output = self.executor.sample_tokens().result()
         assert output is not None, "the output rank returned no ModelRunnerOutput"
         return self._update_from_output(scheduler_output, output)
 
@@ -84,25 +91,40 @@ class EngineCore:
         queue = self.batch_queue
         assert queue is not None
         if len(queue) < queue.maxlen and self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             # A step with no tokens still tells the workers which requests finished.
             if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids:
-                execute_future = self.executor.execute_model(scheduler_output)
-                queue.append((scheduler_output, execute_future, self.executor.sample_tokens()))
+                with tracing.span("dispatch"):
+                    execute_future = self.executor.execute_model(scheduler_output)
+                    queue.append((scheduler_output, execute_future, self.executor.sample_tokens()))
                 if len(queue) < queue.maxlen and not queue[0][2].done():
                     return []
+            else:
+                self.num_steps -= 1  # nothing went to the workers
         if not queue:
             return []
         scheduler_output, execute_future, sample_future = queue.popleft()
-        output: ModelRunnerOutput | None = sample_future.result()
-        if output is None:
-            output = execute_future.result()  # an empty step answers from execute_model
+        with tracing.span("wait_for_output"):
+            output: ModelRunnerOutput | None = sample_future.result()
+            if output is None:
+                output = execute_future.result()  # an empty step answers from execute_model
         assert output is not None, "the output rank returned no ModelRunnerOutput"
         return self._update_from_output(scheduler_output, output)
 
+    def _schedule(self) -> SchedulerOutput:
+        tracing.set_step(self.num_steps)
+        self.num_steps += 1
+        with tracing.span("schedule") as event:
+            scheduler_output = self.scheduler.schedule()
+            if event is not None:  # tracing is on: name the requests of the step
+                event.args["request_ids"] = list(scheduler_output.num_scheduled_tokens)
+                event.args["num_tokens"] = scheduler_output.total_num_scheduled_tokens
+        return scheduler_output
+
     def _update_from_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
                             ) -> list[EngineCoreOutput]:
-        outputs = self.scheduler.update_from_output(scheduler_output, output)
+        with tracing.span("update_from_output"):
+            outputs = self.scheduler.update_from_output(scheduler_output, output)
         num_generated = sum(len(tokens) for tokens in output.sampled_token_ids)
         self.num_generation_tokens += num_generated
         # Every scheduled token that sampled nothing was a prompt (prefill) token; a prompt's last token samples the
@@ -112,7 +134,8 @@ class EngineCore:
 
     def execute_dummy_batch(self) -> None:
         """An idle lock-step DP engine's forward, matching the collectives of the engines that have work."""
-        self.executor.execute_dummy_batch().result()
+        with tracing.span("dummy_batch"):
+            self.executor.execute_dummy_batch().result()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
@@ -123,6 +146,17 @@ class EngineCore:
         return [SchedulerStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_cache_usage,
                                scheduler.prefix_cache_queries, scheduler.prefix_cache_hits, self.num_prompt_tokens,
                                self.num_generation_tokens, scheduler.num_preemptions)]
+
+    def drain_trace(self) -> list[dict[str, Any]]:
+        """The timeline events of this engine and its workers since the last drain; trace processes numbered
+        engine_index * (world_size + 1) + (0 for the engine, 1 + rank for each worker)."""
+        events = tracing.drain()
+        for rank_events in self.executor.collective_rpc("drain_trace"):
+            events.extend(rank_events)
+        offset = self.engine_index * (self.config.parallel_config.world_size + 1)
+        for event in events:
+            event["pid"] += offset
+        return events
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """A Worker method on every worker; results in rank order."""

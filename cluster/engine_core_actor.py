@@ -71,7 +71,7 @@ class EngineCoreActor:
         """Build the engine (workers, model, KV cache); returns its KV block count."""
         if num_threads is not None:  # the engine's own worker computes in this process
             torch.set_num_threads(num_threads)
-        self.core = EngineCore(config, model_info, data_parallel)
+        self.core = EngineCore(config, model_info, data_parallel, engine_index=self.dp_rank)
         self._lockstep = data_parallel.size > 1
         return self.core.num_blocks
 

@@ -5,8 +5,10 @@ core's token deltas into text (detokenizer, stop strings) through the OutputProc
 """
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from transformers import AutoTokenizer
@@ -18,6 +20,7 @@ from cluster.outputs import DPEngineDiedError, RequestOutput
 from cluster.request import Request
 from configs import EngineConfig, make_engine_config
 from configs.model_info import ModelInfo, read_model_info
+from runner import tracing
 from runner.platform import device_type
 from runner.sampling_params import SamplingParams
 
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
     from cluster.dp_client import DPEngineCoreClient
 
 PromptType: TypeAlias = "str | dict[str, Any]"
+FRONTEND_TRACE_PID = 1_000_000  # the process that runs LLMEngine, when the engines run elsewhere (DP)
 
 
 class LLMEngine:
@@ -40,6 +44,8 @@ class LLMEngine:
         self.model_info.check_parallel(config.parallel_config)
         self.engine_core: EngineCore | DPEngineCoreClient
         parallel = config.parallel_config
+        if config.observability_config.trace_file and parallel.data_parallel_size > 1:
+            tracing.enable("frontend (LLMEngine)", pid=FRONTEND_TRACE_PID)
         if parallel.data_parallel_size > 1 and parallel.data_parallel_backend == "ray":
             from cluster.dp_client import DPEngineCoreClient
 
@@ -50,6 +56,7 @@ class LLMEngine:
         # Requests without a seed get one drawn here: every rank of an engine then samples them identically, and
         # they sample the same whichever data-parallel engine serves them.
         self._seed_rng = random.Random(config.model_config.seed)
+        self._trace_events: list[dict[str, Any]] = []
 
     @classmethod
     def from_settings(cls, config_file: str | None = None, **overrides: Any) -> LLMEngine:
@@ -111,7 +118,8 @@ class LLMEngine:
             parents = self.output_processor.parent_ids(err.request_ids)
             self.abort_request(parents)
             raise DPEngineDiedError(str(err), parents, err.fatal) from None
-        processed = self.output_processor.process_outputs(core_outputs)
+        with tracing.span("process_outputs", num_outputs=len(core_outputs)):
+            processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
@@ -119,7 +127,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
+    def write_trace(self) -> None:
+        """Write the timeline so far (every engine and rank) to `trace_file`, as Chrome trace JSON."""
+        trace_file = self.config.observability_config.trace_file
+        assert trace_file, "trace_file is not set"
+        self._trace_events += [*tracing.drain(), *self.engine_core.drain_trace()]
+        Path(trace_file).write_text(json.dumps({"traceEvents": self._trace_events, "displayTimeUnit": "ms"}))
+
     def shutdown(self) -> None:
+        if self.config.observability_config.trace_file:
+            self.write_trace()
+            tracing.disable()
         self.engine_core.shutdown()
 
 
