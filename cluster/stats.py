@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from runner.logger import show_info
+
 logger = logging.getLogger("raylm.stats")
 
 
@@ -68,13 +70,7 @@ class LoggingStatLogger:
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self._last: dict[int, tuple[float, SchedulerStats]] = {}
-        # Shown even where nobody configured logging (a CLI run, a Serve replica), as vLLM shows its own.
-        logger.setLevel(logging.INFO)
-        if not logger.handlers and not logging.getLogger().handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [raylm] %(message)s", "%m-%d %H:%M:%S"))
-            logger.addHandler(handler)
-            logger.propagate = False
+        show_info(logger)
 
     def due(self, engine_index: int = 0) -> bool:
         """Whether the next record of this engine would log (or start its first interval)."""

@@ -18,6 +18,7 @@ from ray.util.placement_group import PlacementGroup
 
 from configs import ModelConfig, ParallelConfig
 from executor.cluster_resources import Bundle, ClusterCapacity, EngineBundles, check_fits, packs, wait_until_ready
+from runner.logger import show_info
 from runner.parallel_state import RankLayout
 
 logger = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ def _device_bundles(bundle_nodes: dict[int, str], parallel_config: ParallelConfi
 def _log_layout(plan: PlacementPlan, parallel_config: ParallelConfig) -> None:
     """One line at start-up, rank -> node, and a warning for each TP group that spans nodes."""
     layout = RankLayout(parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size)
-    _show_info(logger)
+    show_info(logger)
     logger.info("placement (TP=%d x PP=%d, engine on %s): %s", layout.tp_size, layout.pp_size,
                 _node_name(plan.engine_node_ip, plan.engine_node_id), ", ".join(
                     f"rank {rank} -> {_node_name(plan.node_ips[rank], plan.node_ids[rank])}"
@@ -216,11 +217,3 @@ def _node_name(ip: str, node_id: str) -> str:
     return f"{ip} ({node_id[:8]})"
 
 
-def _show_info(target: logging.Logger) -> None:
-    """Start-up lines show even where nobody configured logging (a CLI run, a Serve replica), as vLLM's do."""
-    target.setLevel(logging.INFO)
-    if not target.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [raylm] %(message)s", "%m-%d %H:%M:%S"))
-        target.addHandler(handler)
-        target.propagate = False

@@ -25,6 +25,7 @@ from runner.dp_utils import coordinate_batch_across_dp
 from runner.forward_context import set_forward_context
 from runner.group_coordinator import GroupCoordinator
 from runner.input_buffers import InputBuffersMixin
+from runner.logger import show_info
 from runner.outputs import IntermediateTensors
 from runner.parallel_state import get_pp_group
 from runner.ubatch_splitting import (
@@ -62,7 +63,7 @@ class BatchExecutionMixin(InputBuffersMixin):
         self.num_ubatched_forwards = 0
         self.log_batch_execution = self.config.observability_config.log_batch_execution
         if self.log_batch_execution:
-            _show_info_logs()
+            show_info(logger)
 
     def _why_no_full_graphs(self) -> str | None:
         """Why this model cannot replay as one captured graph (None: it can). On CPU nothing is captured: FULL only
@@ -164,16 +165,6 @@ class BatchExecutionMixin(InputBuffersMixin):
         if isinstance(outputs[0], IntermediateTensors):
             return IntermediateTensors({key: torch.cat([out[key] for out in outputs]) for key in outputs[0].tensors})
         return torch.cat(outputs)
-
-
-def _show_info_logs() -> None:
-    """log_batch_execution: the lines show even where nobody configured logging (a Ray worker)."""
-    logger.setLevel(logging.INFO)
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [raylm] %(message)s", "%m-%d %H:%M:%S"))
-        logger.addHandler(handler)
-        logger.propagate = False
 
 
 def _log_batch_execution(descriptor: BatchDescriptor, ubatch_slices: list[UBatchSlice] | None) -> None:

@@ -1,9 +1,11 @@
 """Shared fixtures: tiny checkpoints built by transformers, once per test session."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from cluster.tiny_model import make_tiny_model
@@ -20,6 +22,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2": make_tiny_model(root / "qwen2", arch="qwen2", num_layers=2, vocab_size=512),
         "qwen3": make_tiny_model(root / "qwen3", arch="qwen3", num_layers=2, vocab_size=512),
     }
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray for one test module, with more CPUs declared than the machine has: CPU workers share the cores
+    through torch's thread count. A module that needs other resources starts its own Ray instead."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=8, include_dashboard=False)
+    yield
+    if started:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -27,15 +27,6 @@ ENGINE = dict(max_model_len=256, block_size=16, max_num_seqs=8, num_gpu_blocks_o
 Result = list[tuple[list[int], list[dict[int, float]]]]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=8, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
-
 
 def make_prompts(n: int = 6, seed: int = 3) -> list[list[int]]:
     rng = random.Random(seed)

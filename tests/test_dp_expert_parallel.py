@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 
 from cluster import LLM, SamplingParams
 from cluster.dp_client import DPEngineCoreClient
@@ -24,15 +23,6 @@ Result = list[tuple[list[int], list[dict[int, float]]]]
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=8, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def make_prompts() -> list[list[int]]:

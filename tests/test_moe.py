@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
@@ -123,15 +122,6 @@ def test_greedy_matches_transformers(arch: str, moe_checkpoints: dict[str, Path]
     # Random tiny weights give near-ties now and then (none with this seed and these prompts).
     assert check_logprobs_close(reference, single_device[arch], arch) <= 1
 
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=8, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.mark.slow

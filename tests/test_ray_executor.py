@@ -34,15 +34,6 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2_pp2": (2, 2), "pp3": (1, 3)}
 Result = list[tuple[list[int], list[dict[int, float]]]]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=8, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
-
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 
 from cluster import LLM, SamplingParams
 from cluster.cli import main
@@ -18,15 +17,6 @@ ENGINE_PHASES = {"schedule", "execute_model", "sample_tokens", "update_from_outp
 RANK_PHASES = {"execute_model", "update_states", "prepare_inputs", "batch_decision", "forward", "compute_logits",
                "sample_tokens", "sample"}
 
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=8, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def phases_by_step(events: list[dict[str, Any]]) -> dict[int, dict[int, set[str]]]:
