@@ -32,9 +32,9 @@ class CacheConfig(_Section):
     kv_cache_memory_gib: float = Field(1.0, gt=0.0, description="KV cache size on CPU")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="force the KV block count")
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
-        "auto", description="attention kernel; auto: cpu (raylm's kernels) for float32 on CPU, triton on CUDA when "
-                            "installed, else torch")
+    attention_backend: Literal["auto", "torch", "cpu", "triton", "flash_attn"] = Field(
+        "auto", description="attention kernel; auto: cpu (raylm's kernels) for float32 on CPU; on CUDA flash_attn "
+                            "(installed, 16-bit, block_size a multiple of 256), else triton (installed), else torch")
 
 
 class ParallelConfig(_Section):

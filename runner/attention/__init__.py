@@ -8,12 +8,12 @@ import torch
 from runner.attention.backend import AttentionBackend, AttentionMetadata
 from runner.attention.common import CommonAttentionMetadata
 from runner.attention.cpu_backend import CPUAttentionBackend
+from runner.attention.flash_attn_backend import FlashAttentionBackend
+from runner.attention.flash_attn_backend import unavailable_reason as _flash_attn_unavailable
 from runner.attention.torch_backend import TorchAttentionBackend
 
-_NOT_YET = ("flash_attn",)
-
 __all__ = ["AttentionBackend", "AttentionMetadata", "CommonAttentionMetadata", "CPUAttentionBackend",
-           "TorchAttentionBackend", "get_attn_backend"]
+           "FlashAttentionBackend", "TorchAttentionBackend", "get_attn_backend"]
 
 
 def _triton_unavailable(device: torch.device) -> str | None:
@@ -43,6 +43,8 @@ def get_attn_backend(name: str = "auto", device: torch.device | str = "cpu", dty
     on_cpu = device.type == "cpu"
     cpu_fits = on_cpu and dtype == torch.float32 and block_size % CPUAttentionBackend.block_size_multiple == 0
     if name == "auto":
+        if _flash_attn_unavailable(device, dtype, block_size) is None:
+            return FlashAttentionBackend()
         if device.type == "cuda" and _triton_unavailable(device) is None:
             return _triton_backend()
         return CPUAttentionBackend() if cpu_fits and CPUAttentionBackend.is_available() else TorchAttentionBackend()
@@ -62,8 +64,10 @@ def get_attn_backend(name: str = "auto", device: torch.device | str = "cpu", dty
         if reason is not None:
             raise ValueError(f"attention_backend 'triton' is not available: {reason}; use 'torch' or 'auto'")
         return _triton_backend()
-    if name in _NOT_YET:
-        raise ValueError(f"attention backend {name!r} is not available yet (device {device}); "
-                         f"use 'torch', 'cpu', 'triton' or 'auto'")
-    raise ValueError(f"unknown attention backend {name!r}; known: 'auto', 'torch', 'cpu', 'triton', "
-                     f"{', '.join(map(repr, _NOT_YET))}")
+    if name == FlashAttentionBackend.name:
+        reason = _flash_attn_unavailable(device, dtype, block_size)
+        if reason is not None:
+            raise ValueError(f"attention_backend 'flash_attn' is not available: {reason}; use 'triton', 'torch' or "
+                             f"'auto'")
+        return FlashAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; known: 'auto', 'torch', 'cpu', 'triton', 'flash_attn'")
