@@ -9,6 +9,7 @@ import ray
 import torch
 
 from cluster.tiny_model import make_tiny_model
+from runner import cpu_kernels
 
 torch.set_num_threads(2)
 
@@ -22,6 +23,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2": make_tiny_model(root / "qwen2", arch="qwen2", num_layers=2, vocab_size=512),
         "qwen3": make_tiny_model(root / "qwen3", arch="qwen3", num_layers=2, vocab_size=512),
     }
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels_back_on() -> Iterator[None]:
+    """A runner built with custom_ops="none" switches raylm's CPU kernels off for its whole process: switch them back
+    on after each test, so a later test's backend does not depend on which tests ran before it."""
+    yield
+    cpu_kernels.set_enabled(True)
 
 
 @pytest.fixture(scope="module")
