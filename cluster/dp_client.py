@@ -56,7 +56,7 @@ class DPEngineCoreClient:
             raise ValueError("async_scheduling is not supported with expert-parallel data parallel (MoE with "
                              "enable_expert_parallel and data_parallel_size > 1): its engines step in lock-step")
         initialize_ray_cluster(self.num_engines * (parallel.world_size + 1))
-        device = resolve_device(config.model_config)  # decided here once; the engines and their workers take it
+        device = resolve_device(config.model_config)  # LLMEngine decided it (decide_device); the engines take it
         self.config = dataclasses.replace(config, model_config=config.model_config.model_copy(
             update={"device": device}))
         in_process_worker = parallel.world_size == 1 and parallel.distributed_executor_backend != "ray"
@@ -160,6 +160,15 @@ class DPEngineCoreClient:
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call_all("reset_prefix_cache"))
+
+    def sleep(self, level: int = 1) -> None:
+        self._call_all("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call_all("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return any(self._call_all("is_sleeping"))
 
     def shutdown(self) -> None:
         """Stop the engines (they stop their workers) and release the placement groups; safe to call twice."""

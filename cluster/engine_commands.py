@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 from cluster.llm_engine import PromptType
 from cluster.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -59,3 +62,12 @@ def post_outputs(items: list[tuple[RequestStream, RequestOutput | Exception]]) -
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+
+
+def call_when_idle(cond: threading.Condition, busy: Callable[[], bool], fn: Callable[[], T], what: str) -> T:
+    """Run `fn` (sleep, wake_up) on an idle engine from another thread. Holding `cond` keeps the engine thread from
+    taking any new command, and an idle engine thread does nothing else with the engine."""
+    with cond:
+        if busy():
+            raise RuntimeError(f"cannot {what}: requests are unfinished; let them finish or abort them first")
+        return fn()

@@ -11,7 +11,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
-from cluster.outputs import EngineCoreOutput
+from cluster.outputs import EngineCoreOutput, EngineSleepingError
 from cluster.request import Request, RequestStatus
 from cluster.scheduler import Scheduler
 from cluster.stats import SchedulerStats
@@ -21,6 +21,7 @@ from executor import Executor
 from runner import tracing
 from runner.outputs import ModelRunnerOutput, SchedulerOutput
 from runner.parallel_state import NO_DATA_PARALLEL, DataParallelInfo
+from runner.sleep_mode import SLEEP_TAGS
 
 # A step in flight: its SchedulerOutput and the futures of execute_model and sample_tokens.
 InFlightStep = tuple[SchedulerOutput, Future, Future]
@@ -59,12 +60,16 @@ class EngineCore:
             config.cache_config.block_size, send_token_ids=pipeline)
         self.num_prompt_tokens = self.num_generation_tokens = 0  # since start, for stats
         depth = self.executor.max_concurrent_batches
+        self.sleeping_tags: set[str] = set()  # what sleep freed and wake_up has not restored yet
         self.batch_queue: deque[InFlightStep] | None = deque(maxlen=depth) if depth > 1 else None
 
     def add_request(self, request: Request) -> int:
         """Queue a request (seeded: LLMEngine draws the seeds); returns the index of the engine that serves it (always
         0 here)."""
         assert request.sampling_params.seed is not None, "every rank must sample a request identically"
+        if self.sleeping_tags:
+            raise EngineSleepingError(f"request {request.request_id}: the engine is sleeping (its "
+                                      f"{' and '.join(sorted(self.sleeping_tags))} are freed): call wake_up() first")
         self.scheduler.add_request(request)
         return 0
 
@@ -164,6 +169,29 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free every worker's KV cache and offload (level 1) or drop (level 2) its weights; only while idle."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload the weights to CPU) or 2 (drop them), got {level}")
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"cannot sleep: {self.scheduler.num_running + self.scheduler.num_waiting} requests "
+                               "are unfinished; let them finish or abort them first")
+        # The KV cache comes back zeroed: no cached prefix may point into it.
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("cannot sleep: the prefix cache could not be reset (KV blocks are still in use)")
+        self.executor.collective_rpc("sleep", (level,))
+        self.sleeping_tags = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore the weights and/or the KV cache (all when `tags` is None)."""
+        if tags is not None and not set(tags) <= set(SLEEP_TAGS):
+            raise ValueError(f"wake_up tags must be among {list(SLEEP_TAGS)}, got {tags}")
+        self.executor.collective_rpc("wake_up", (tags,))
+        self.sleeping_tags -= set(tags) if tags is not None else self.sleeping_tags
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
 
     def check_health(self) -> None:
         self.executor.check_health()

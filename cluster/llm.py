@@ -72,6 +72,18 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.engine_core.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU memory while idle (vLLM's sleep mode): the KV cache always; the weights are offloaded to CPU
+        memory (level 1) or dropped and reloaded from the checkpoint on wake_up (level 2)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: all, or only ["weights"] / ["kv_cache"] (e.g. weights first, to update them)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 

@@ -16,12 +16,12 @@ from transformers import AutoTokenizer
 from cluster.default_model import resolve_model
 from cluster.engine_core import EngineCore
 from cluster.output_processor import OutputProcessor, RequestOutputKind
-from cluster.outputs import DPEngineDiedError, RequestOutput
+from cluster.outputs import DPEngineDiedError, EngineSleepingError, RequestOutput
 from cluster.request import Request
 from configs import EngineConfig, make_engine_config
 from configs.model_info import ModelInfo, read_model_info
+from executor.placement import decide_device
 from runner import tracing
-from runner.platform import device_type
 from runner.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,8 +34,10 @@ FRONTEND_TRACE_PID = 1_000_000  # the process that runs LLMEngine, when the engi
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         resolve_model(config.model_config)
+        # Decided from where the workers run (the driver may have no GPU); the dtype "auto" follows it.
+        config = decide_device(config)
         self.config = config
-        self.model_info: ModelInfo = read_model_info(config.model_config, device_type(config.model_config))
+        self.model_info: ModelInfo = read_model_info(config.model_config, config.model_config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_info.tokenizer)
         eos = set(self.model_info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -57,6 +59,7 @@ class LLMEngine:
         # they sample the same whichever data-parallel engine serves them.
         self._seed_rng = random.Random(config.model_config.seed)
         self._trace_events: list[dict[str, Any]] = []
+        self._sleeping = False  # kept here so that add_request needs no call to (DP) engines
 
     @classmethod
     def from_settings(cls, config_file: str | None = None, **overrides: Any) -> LLMEngine:
@@ -80,6 +83,8 @@ class LLMEngine:
                     output_kind: RequestOutputKind = "cumulative") -> tuple[list[int], int]:
         """Queue one prompt (n sequences); returns its prompt token ids and the index of the (data-parallel) engine
         that serves it (of its first sequence). Bad input raises ValueError."""
+        if self._sleeping:
+            raise EngineSleepingError(f"request {request_id}: the engine is sleeping: call wake_up() first")
         text, token_ids = self.process_prompt(prompt)
         if not token_ids:
             raise ValueError("prompt: it is empty (0 tokens)")
@@ -126,6 +131,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and offload (level 1) or drop (level 2) the weights, on every worker; only while no
+        request is unfinished. Requests are refused until wake_up."""
+        self.engine_core.sleep(level)
+        self._sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore the weights and/or the KV cache ("weights", "kv_cache"; all when `tags` is None)."""
+        self.engine_core.wake_up(tags)
+        self._sleeping = self.engine_core.is_sleeping()
+
+    def is_sleeping(self) -> bool:
+        return self._sleeping
 
     def write_trace(self) -> None:
         """Write the timeline so far (every engine and rank) to `trace_file`, as Chrome trace JSON."""

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from runner.outputs import LogprobsLists
 
 
+class EngineSleepingError(ValueError):
+    """A request reached an engine put to sleep (LLM.sleep): a ValueError, so a server fails that request only."""
+
+
 class DPEngineDiedError(RuntimeError):
     """A data-parallel engine died; `request_ids` were on it and are lost. `fatal`: no engine can serve any more."""
 

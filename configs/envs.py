@@ -10,6 +10,8 @@ from pathlib import Path
 
 RAYLM_CACHE_DIR = "RAYLM_CACHE_DIR"
 RAYLM_PLACEMENT_GROUP_TIMEOUT_S = "RAYLM_PLACEMENT_GROUP_TIMEOUT_S"
+# vLLM's VLLM_SERVER_DEV_MODE: development-only routes (/sleep, /wake_up, /is_sleeping) on the OpenAI server.
+RAYLM_SERVER_DEV_MODE = "RAYLM_SERVER_DEV_MODE"
 # vLLM's PG_WAIT_TIMEOUT: a cluster may be scaling up to fit the group.
 DEFAULT_PLACEMENT_GROUP_TIMEOUT_S = 1800.0
 
@@ -35,3 +37,8 @@ def placement_group_timeout_s() -> float:
     if not seconds > 0:
         raise ValueError(f"{RAYLM_PLACEMENT_GROUP_TIMEOUT_S} must be a number of seconds > 0, got {value!r}")
     return seconds
+
+
+def server_dev_mode() -> bool:
+    """Whether the OpenAI server adds its development routes: $RAYLM_SERVER_DEV_MODE is 1 (or true)."""
+    return os.environ.get(RAYLM_SERVER_DEV_MODE, "0").strip().lower() in ("1", "true")

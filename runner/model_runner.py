@@ -25,12 +25,13 @@ from runner.batch_execution import BatchExecutionMixin
 from runner.cuda_graph import CUDAGraphCaptureMixin
 from runner.group_coordinator import GroupCoordinator
 from runner.input_batch import CachedRequestState, InputBatch
-from runner.models.loader import load_model
+from runner.models.loader import load_model, reload_weights
 from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from runner.parallel_state import get_dp_group, get_pp_group
 from runner.prompt_logprobs import PromptLogprobsProcessor
 from runner.sampler import Sampler
 from runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_lists
+from runner.sleep_mode import SleepModeMixin
 from runner.ubatching import current_ubatch_id
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -57,7 +58,7 @@ class _CallCounter:
             self.count += 1
 
 
-class ModelRunner(BatchExecutionMixin, CUDAGraphCaptureMixin):
+class ModelRunner(BatchExecutionMixin, CUDAGraphCaptureMixin, SleepModeMixin):
     def __init__(self, config: EngineConfig, model_info: ModelInfo, device: torch.device) -> None:
         self.config = config
         self.model_info = model_info
@@ -89,6 +90,7 @@ class ModelRunner(BatchExecutionMixin, CUDAGraphCaptureMixin):
         self.num_dp_coordinations = 0
         self.scratch_slot = -1  # the KV cache's extra slot that padded decode rows write to inside a graph
         self._init_batch_execution()
+        self._init_sleep_mode()
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -101,6 +103,10 @@ class ModelRunner(BatchExecutionMixin, CUDAGraphCaptureMixin):
         self.dp_group = get_dp_group()
         # A hook counts every forward, on whatever path it comes.
         self.model.register_forward_pre_hook(self._forward_counter)
+
+    def reload_weights(self) -> None:
+        assert self.model is not None, "load_model first"
+        reload_weights(self.model, self.model_info.path)
 
     @property
     def num_forwards(self) -> int:

@@ -83,6 +83,20 @@ class Worker:
         # The CUDA graphs captured after the KV cache need their own memory beyond the profile run's peak.
         return max(0, int(budget - torch.cuda.max_memory_allocated() - runner.cudagraph_memory_estimate()))
 
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache and offload (1) or drop (2) the weights (runner/sleep_mode.py); returns bytes freed."""
+        return self._runner().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._runner().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self._runner().is_sleeping()
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes the weights and the KV cache hold now (to check that sleep frees them)."""
+        return self._runner().device_bytes()
+
     def kv_cache_bytes_per_block(self) -> int:
         return self._runner().kv_cache_bytes_per_block()
 

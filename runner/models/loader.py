@@ -76,3 +76,9 @@ def load_model(model_path: str | Path, hf_config: PretrainedConfig | None = None
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     return model.eval()
+
+
+def reload_weights(model: nn.Module, model_path: str | Path) -> None:
+    """Load the checkpoint's weights again into `model`'s allocated parameters (sleep level 2's wake-up)."""
+    prefixes = pp_missing_prefixes(model)
+    model.load_weights(iterate_weights(model_path, skip=lambda name: name.startswith(prefixes)))
