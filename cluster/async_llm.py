@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from cluster import engine_commands
 from cluster.default_model import served_model_name
 from cluster.engine_commands import AbortRequest, AddRequest, CheckHealth, EngineCommand, RequestStream, post_outputs
 from cluster.llm_engine import LLMEngine, PromptType
@@ -44,6 +45,7 @@ class _RequestState:
     arrival_time: float
     num_prompt_tokens: int
     engine_index: int  # the data-parallel engine serving it
+    added_time: float  # when the engine took it in
     first_token_time: float | None = None
     last_token_time: float = 0.0
     num_generation_tokens: int = 0
@@ -197,7 +199,7 @@ class AsyncLLM:
                 post_outputs([(command.stream, err)])
                 return
             self._requests[command.request_id] = _RequestState(
-                command.stream, command.arrival_time, len(prompt_token_ids), engine_index)
+                command.stream, command.arrival_time, len(prompt_token_ids), engine_index, time.monotonic())
         elif isinstance(command, AbortRequest):
             state = self._requests.pop(command.request_id, None)
             if state is not None:
@@ -271,10 +273,26 @@ class AsyncLLM:
         self._requests.clear()
         post_outputs([(stream, EngineDeadError(reason)) for stream in streams])
         for command in commands:
-            if isinstance(command, CheckHealth):
+            if isinstance(command, CheckHealth) and not command.result.done():  # a failed check already has its error
                 command.result.set_exception(EngineDeadError(reason))
+
+    async def sleep(self, level: int = 1) -> None:  # LLMEngine.sleep on the idle engine
+        engine = self._ready_engine()
+        await asyncio.get_running_loop().run_in_executor(None, engine_commands.call_when_idle, self._cond, lambda: bool(
+            self._commands or self._batch or engine.has_unfinished_requests()), lambda: engine.sleep(level), "sleep")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        engine = self._ready_engine()
+        await asyncio.get_running_loop().run_in_executor(None, engine_commands.call_when_idle, self._cond, lambda: bool(
+            self._commands or self._batch), lambda: engine.wake_up(tags), "wake up")
+
+    async def is_sleeping(self) -> bool:
+        return self._ready_engine().is_sleeping()
 
 
 def _finished_stats(state: _RequestState, finish_reason: str, now: float) -> FinishedRequestStats:
-    return FinishedRequestStats(finish_reason, now - state.arrival_time, state.num_prompt_tokens,
-                                state.num_generation_tokens)
+    first_token_time = now if state.first_token_time is None else state.first_token_time
+    return FinishedRequestStats(
+        finish_reason, now - state.arrival_time, state.num_prompt_tokens, state.num_generation_tokens,
+        queue_time=state.added_time - state.arrival_time, prefill_time=first_token_time - state.added_time,
+        decode_time=now - first_token_time)

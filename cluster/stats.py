@@ -39,10 +39,21 @@ class SchedulerStats:
 
 @dataclass(frozen=True)
 class FinishedRequestStats:
+    """Seconds, as vLLM splits a request's life. The frontend sees the scheduler only through outputs: queue time is
+    the wait for the engine to take the request in (between steps); its wait in the scheduler's queue falls into
+    prefill time, which runs to the first token. Inference time is prefill plus decode."""
+
     finish_reason: str  # "stop" | "length" | "abort"
-    e2e_latency: float  # seconds from arrival to the last output
+    e2e_latency: float  # arrival to the last output
     num_prompt_tokens: int
     num_generation_tokens: int
+    queue_time: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0  # first to last token
+
+    @property
+    def inference_time(self) -> float:
+        return self.prefill_time + self.decode_time
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The OpenAI HTTP app in operation: client disconnects free their KV blocks, /metrics counts what usage
-reports, the API key, and /health following the engine from loading to dead."""
+reports (vLLM's request-level families included), the API key, and /health following the engine from loading to dead."""
 from __future__ import annotations
 
 import json
@@ -85,7 +85,7 @@ def test_metrics_count_what_usage_reports(server: Server, client: openai.OpenAI,
     label = frozenset({"model_name": model, "engine": "0"}.items())
 
     def delta(name: str, labels: frozenset = label) -> float:
-        return after[(name, labels)] - before[(name, labels)]
+        return after[(name, labels)] - before.get((name, labels), 0.0)  # a histogram shows from its first sample
 
     assert delta("vllm:prompt_tokens_total") == response.usage.prompt_tokens
     assert delta("vllm:generation_tokens_total") == response.usage.completion_tokens == 7
@@ -97,6 +97,19 @@ def test_metrics_count_what_usage_reports(server: Server, client: openai.OpenAI,
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert after[(gauge, label)] == 0
     assert ("vllm:prefix_cache_hits_total", label) in after
+
+    # vLLM's request-level families: one observation each; queue, prefill and decode time add up to e2e latency.
+    for name in ("queue_time_seconds", "prefill_time_seconds", "decode_time_seconds", "inference_time_seconds",
+                 "prompt_tokens", "generation_tokens"):
+        assert delta(f"vllm:request_{name}_count") == 1
+    assert delta("vllm:request_prompt_tokens_sum") == response.usage.prompt_tokens
+    assert delta("vllm:request_generation_tokens_sum") == 7
+    assert delta("vllm:iteration_tokens_total_sum") == response.usage.prompt_tokens + 7
+    assert delta("vllm:request_queue_time_seconds_sum") + delta("vllm:request_inference_time_seconds_sum") == \
+        pytest.approx(delta("vllm:e2e_request_latency_seconds_sum"))
+    assert delta("vllm:num_preemptions_total") == 0
+    [cache_info] = [dict(labels) for name, labels in after if name == "vllm:cache_config_info"]
+    assert cache_info["block_size"] == "16" and cache_info["engine"] == "0"
 
 
 def test_api_key(engine: AsyncLLM, llama_path: Path) -> None:

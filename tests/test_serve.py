@@ -1,7 +1,12 @@
-"""The Ray Serve application from configs/serve-tiny.yaml on a local Ray, answered over HTTP."""
+"""The Ray Serve application from configs/serve-tiny.yaml on a local Ray, answered over HTTP: the OpenAI routes and
+/metrics, and a replica whose worker dies replaced."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,10 +15,12 @@ import openai
 import pytest
 import ray
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from ray._private.state import actors
 from ray.serve.context import _get_global_client
 
-from cluster.serve import build_app, llm_server_options
+from cluster.serve import LLMServer, build_app, llm_server_options
 from configs import make_engine_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -93,3 +100,74 @@ def test_tp2_replica_runs_in_the_placement_group_serve_creates(base_url: str, ll
         assert [g["bundles"] for g in groups] == [{0: {"CPU": 1.0}, 1: {"CPU": 2.0}}]
     finally:
         serve.delete("tp2")
+
+
+def _metric_labels(base_url: str) -> dict[str, list[dict[str, str]]]:
+    """Sample name -> the label sets it has, from GET /metrics beside the /v1 routes."""
+    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    samples: dict[str, list[dict[str, str]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample.labels)
+    return samples
+
+
+def test_metrics_through_serve(base_url: str, llama_path: Path) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    client.completions.create(model=llama_path.name, prompt="Once upon a time", max_tokens=4,
+                              extra_body={"ignore_eos": True})
+    samples = _metric_labels(base_url)
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:request_success_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+                 "vllm:request_decode_time_seconds_count", "vllm:request_inference_time_seconds_count",
+                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+                 "vllm:num_preemptions_total", "vllm:iteration_tokens_total_count", "vllm:cache_config_info"):
+        assert name in samples, name
+    # The replica that answered labels its series with its id.
+    replicas = {labels["replica"] for label_sets in samples.values() for labels in label_sets}
+    assert len(replicas) == 1 and replicas <= _running_replica_ids(f"LLMServer:{llama_path.name}")
+
+
+def _running_replica_ids(deployment: str) -> set[str]:
+    applications = _get_global_client().get_serve_details()["applications"].values()
+    return {replica["replica_id"] for app in applications for name, info in app["deployments"].items()
+            if name == deployment for replica in info["replicas"] if replica["state"] == "RUNNING"}
+
+
+@pytest.mark.slow
+def test_replica_with_a_killed_worker_is_replaced(base_url: str, llama_path: Path) -> None:
+    """A TP 2 replica's worker actor dies: the engine fails, Serve's health check (every second here) fails the
+    replica, Serve starts another, and requests succeed again."""
+    config = make_engine_config("configs/tiny.yaml", model=str(llama_path), served_model_name="recovery",
+                                tensor_parallel_size=2, distributed_executor_backend="ray")
+    options = llm_server_options(config) | {"health_check_period_s": 1, "graceful_shutdown_timeout_s": 2}
+    serve.run(serve.deployment(LLMServer).options(name="LLMServer:recovery", **options).bind(config),
+              name="recovery", route_prefix="/recovery")
+    try:
+        url = base_url.replace("/v1", "/recovery/v1")
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+
+        def complete() -> int:
+            return client.completions.create(model="recovery", prompt="Once upon a time", max_tokens=4,
+                                             extra_body={"ignore_eos": True}).usage.completion_tokens
+
+        assert complete() == 4
+        [replica_before] = {labels["replica"] for labels in _metric_labels(url)["vllm:num_requests_running"]}
+        workers = [a for a in actors().values() if a["ActorClassName"] == "RayWorkerWrapper" and a["State"] == "ALIVE"]
+        assert len(workers) == 2
+        os.kill(workers[1]["Pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        while True:
+            try:
+                if complete() == 4:
+                    break
+            except openai.APIError:
+                pass
+            assert time.monotonic() - killed_at < 180, "no replica served again within 180 s"
+            time.sleep(1)
+        [replica_after] = {labels["replica"] for labels in _metric_labels(url)["vllm:num_requests_running"]}
+        assert replica_after != replica_before
+    finally:
+        serve.delete("recovery")

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from cluster.async_llm import AsyncLLM, EngineDeadError
 from cluster.default_model import served_model_name
+from cluster.openai.dev_endpoints import include_dev_endpoints
 from cluster.openai.errors import OpenAIError, error_json, error_response, install_error_handlers
 from cluster.openai.metrics import PrometheusStatLogger
 from cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -74,7 +75,7 @@ def build_app(router: ModelRouter, api_key: str | None = None, metrics: Promethe
 
 def build_engine_app(config: EngineConfig) -> tuple[FastAPI, AsyncLLM]:
     """The app over one engine in this process; the engine loads in the background (/health says when)."""
-    metrics = PrometheusStatLogger(served_model_name(config.model_config))
+    metrics = PrometheusStatLogger(served_model_name(config.model_config), config.cache_config)
     engine = AsyncLLM(config, stat_loggers=[metrics])
 
     @asynccontextmanager
@@ -83,6 +84,7 @@ def build_engine_app(config: EngineConfig) -> tuple[FastAPI, AsyncLLM]:
         engine.shutdown()
 
     app = build_app(EngineModelRouter(engine), config.serving_config.api_key, metrics, stop_engine_on_exit)
+    include_dev_endpoints(app, engine)  # only under RAYLM_SERVER_DEV_MODE=1
     return app, engine
 
 

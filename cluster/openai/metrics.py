@@ -1,23 +1,28 @@
 """Engine metrics in Prometheus text format, under vLLM's names (so existing dashboards and autoscaling
-queries work unchanged), each series labelled with model_name. One registry per app."""
+queries work unchanged), each series labelled with model_name and engine (and replica, on Ray Serve, where each
+replica answers /metrics from its own registry). One registry per app."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from cluster.stats import IterationStats, SchedulerStats
+from configs import CacheConfig
 
 FINISH_REASONS = ("stop", "length", "abort")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 _REQUEST_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0,
                             1200.0, 2400.0, 7200.0)
+_TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))  # vLLM's 1-2-5 series
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_config: CacheConfig | None = None, replica: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name", "engine"]  # engine: the data-parallel engine index, as vLLM labels it
+        self.cache_config = cache_config
+        self.constant_labels = {"model_name": model_name} | ({"replica": replica} if replica else {})
+        labels = [*self.constant_labels, "engine"]  # engine: the data-parallel engine index, as vLLM labels it
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=self.registry)
@@ -36,32 +41,66 @@ class PrometheusStatLogger:
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Requests preempted (their KV blocks freed).")
         self.request_success = Counter("vllm:request_success", "Finished requests, by finish reason.",
                                        [*labels, "finished_reason"], registry=self.registry)
+        self.cache_config_info = Gauge("vllm:cache_config_info", "The KV cache settings, as labels.",
+                                       [*labels, *CacheConfig.model_fields], registry=self.registry)
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to the first token.",
                                              _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
                                              _LATENCY_BUCKETS)
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.",
                                              _REQUEST_LATENCY_BUCKETS)
-        self._prefix_cache_totals: dict[int, tuple[int, int]] = {}
-        # Every finish reason shows from the start (at 0), so rates over it are defined before the first abort.
+        self.request_queue_time = histogram("vllm:request_queue_time_seconds",
+                                            "Arrival to being taken in by the engine.", _REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                              "Taken in by the engine to the first token.", _REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram("vllm:request_decode_time_seconds", "First to last token.",
+                                             _REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram("vllm:request_inference_time_seconds", "Prefill plus decode time.",
+                                                _REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.",
+                                               _TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per finished request.", _TOKEN_COUNT_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Prompt plus generated tokens per step.",
+                                          _TOKEN_COUNT_BUCKETS)
+        self._last_stats: dict[int, SchedulerStats] = {}
+        self._add_engine(0)
+
+    def _add_engine(self, engine_index: int) -> None:
+        """Series that show from the start: every finish reason at 0 (so rates over it are defined before the
+        first abort), and the cache settings."""
+        self._last_stats[engine_index] = SchedulerStats()
+        label = self._labels(engine_index)
         for reason in FINISH_REASONS:
-            self.request_success.labels(model_name=model_name, engine="0", finished_reason=reason)
+            self.request_success.labels(finished_reason=reason, **label)
+        if self.cache_config is not None:
+            settings = {name: str(value) for name, value in self.cache_config.model_dump().items()}
+            self.cache_config_info.labels(**label, **settings).set(1)
+
+    def _labels(self, engine_index: int) -> dict[str, str]:
+        return self.constant_labels | {"engine": str(engine_index)}
 
     def record(self, engine_index: int, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        label = {"model_name": self.model_name, "engine": str(engine_index)}
+        if engine_index not in self._last_stats:
+            self._add_engine(engine_index)
+        label = self._labels(engine_index)
         self.num_requests_running.labels(**label).set(scheduler_stats.num_running_reqs)
         self.num_requests_waiting.labels(**label).set(scheduler_stats.num_waiting_reqs)
         self.kv_cache_usage.labels(**label).set(scheduler_stats.kv_cache_usage)
-        queries, hits = scheduler_stats.prefix_cache_queries, scheduler_stats.prefix_cache_hits
-        last_queries, last_hits = self._prefix_cache_totals.get(engine_index, (0, 0))
-        self.prefix_cache_queries.labels(**label).inc(queries - last_queries)
-        self.prefix_cache_hits.labels(**label).inc(hits - last_hits)
-        self._prefix_cache_totals[engine_index] = (queries, hits)
+        last = self._last_stats[engine_index]
+        self.prefix_cache_queries.labels(**label).inc(scheduler_stats.prefix_cache_queries - last.prefix_cache_queries)
+        self.prefix_cache_hits.labels(**label).inc(scheduler_stats.prefix_cache_hits - last.prefix_cache_hits)
+        self.num_preemptions.labels(**label).inc(scheduler_stats.num_preemptions - last.num_preemptions)
+        self._last_stats[engine_index] = scheduler_stats
 
         self.prompt_tokens.labels(**label).inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.labels(**label).inc(iteration_stats.num_generation_tokens)
+        step_tokens = iteration_stats.num_prompt_tokens + iteration_stats.num_generation_tokens
+        if step_tokens:  # records that only applied commands (no step) are not iterations
+            self.iteration_tokens.labels(**label).observe(step_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
             self.time_to_first_token.labels(**label).observe(ttft)
         for latency in iteration_stats.inter_token_latencies:
@@ -69,6 +108,12 @@ class PrometheusStatLogger:
         for finished in iteration_stats.finished_requests:
             self.request_success.labels(finished_reason=finished.finish_reason, **label).inc()
             self.e2e_request_latency.labels(**label).observe(finished.e2e_latency)
+            self.request_queue_time.labels(**label).observe(finished.queue_time)
+            self.request_prefill_time.labels(**label).observe(finished.prefill_time)
+            self.request_decode_time.labels(**label).observe(finished.decode_time)
+            self.request_inference_time.labels(**label).observe(finished.inference_time)
+            self.request_prompt_tokens.labels(**label).observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.labels(**label).observe(finished.num_generation_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
