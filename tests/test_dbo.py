@@ -16,7 +16,7 @@ from cluster import LLM
 from runner.parallel_state import destroy_model_parallel, init_distributed_environment, init_model_parallel
 from tests.reference import assert_same_output, check_logprobs_close, hf_greedy
 from tests.runner_steps import Steps, make_runner, run_step
-from tests.test_dp_expert_parallel import ENGINE, MAX_TOKENS, Result, generate, make_prompts, ray_cluster
+from tests.test_dp_expert_parallel import ENGINE, MAX_TOKENS, Result, generate, make_prompts
 from tests.test_dp_utils import run_two_ranks
 
 pytestmark = pytest.mark.slow
@@ -105,7 +105,7 @@ def references(moe_checkpoints: dict[str, Path]) -> dict[str, tuple[Result, Resu
     return results
 
 
-@pytest.mark.usefixtures(ray_cluster.__name__)
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("arch, settings", [("mixtral", DBO), ("qwen3_moe", DBO), ("mixtral", {**DBO, **PADDING}),
                                             ("qwen3_moe", {**DBO, **PADDING})],
                          ids=["mixtral-dbo", "qwen3_moe-dbo", "mixtral-dbo-padded", "qwen3_moe-dbo-padded"])
@@ -125,7 +125,7 @@ def test_dp2_ep_engines_match_transformers(arch: str, settings: dict[str, Any], 
         assert all(count["padded"] > 0 for count in counts), counts
 
 
-@pytest.mark.usefixtures(ray_cluster.__name__)
+@pytest.mark.usefixtures("ray_cluster")
 def test_dp2_by_tp2_ep_with_dbo_matches_one_device(moe_checkpoints: dict[str, Path],
                                                   references: dict[str, tuple[Result, Result]]) -> None:
     """Inside each ubatch thread the TP ranks all-gather their token slices (a blocking collective on the TP group)
