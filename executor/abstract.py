@@ -10,6 +10,7 @@ from configs import EngineConfig
 from configs.model_info import ModelInfo
 from runner.outputs import ModelRunnerOutput, SchedulerOutput
 from runner.parallel_state import NO_DATA_PARALLEL, DataParallelInfo
+from worker.worker import MemoryProfile
 
 
 class Executor(ABC):
@@ -80,12 +81,20 @@ class Executor(ABC):
         override = self.config.cache_config.num_gpu_blocks_override
         if override is not None:
             return override
-        available = self.collective_rpc("determine_available_memory")
+        profiles: list[MemoryProfile] = self.collective_rpc("memory_profile")
         per_block = self.collective_rpc("kv_cache_bytes_per_block")
-        num_blocks = min(a // b for a, b in zip(available, per_block))
-        if num_blocks < 1:
-            raise ValueError("no memory is left for the KV cache: raise kv_cache_memory_gib (CPU) or "
-                             "gpu_memory_utilization (GPU)")
+        blocks = [profile.available // size for profile, size in zip(profiles, per_block)]
+        num_blocks = min(blocks)
+        block_size = self.config.cache_config.block_size
+        needed = -(-self.model_info.max_model_len // block_size)  # one request of max_model_len tokens
+        if num_blocks < needed:
+            worst = blocks.index(num_blocks)
+            raise ValueError(
+                f"the KV cache has room for {num_blocks} blocks of {block_size} tokens "
+                f"({per_block[worst]} bytes each), but one request of max_model_len={self.model_info.max_model_len} "
+                f"tokens needs {needed}: {profiles[worst].describe()}. Raise gpu_memory_utilization (GPU) or "
+                f"kv_cache_memory_gib (CPU), lower max_model_len, or shard the model over more devices "
+                f"(tensor_parallel_size / pipeline_parallel_size)")
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

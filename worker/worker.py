@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,28 @@ from runner.parallel_state import (
 from runner.platform import device_type
 
 _GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """One worker's memory, in bytes: the budget (gpu_memory_utilization of the device less what other processes
+    hold; kv_cache_memory_gib on CPU), what the weights, the activation peak and the CUDA graphs take of it, and what
+    is left for the KV cache."""
+
+    rank: int
+    budget: int
+    weights: int
+    peak_activations: int
+    cudagraphs: int
+    available: int
+
+    def describe(self) -> str:
+        def gib(n: int) -> str:
+            return f"{n / _GIB:.2f} GiB"
+
+        return (f"rank {self.rank}: budget {gib(self.budget)} - weights {gib(self.weights)} - activation peak "
+                f"{gib(self.peak_activations)} - CUDA graphs {gib(self.cudagraphs)} = {gib(self.available)} for the "
+                f"KV cache")
 logger = logging.getLogger(__name__)
 
 
@@ -67,21 +90,26 @@ class Worker:
     def load_model(self) -> None:
         self._runner().load_model()
 
-    def determine_available_memory(self) -> int:
-        """Bytes this worker can give to the KV cache."""
+    def memory_profile(self) -> MemoryProfile:
+        """What this worker can give to the KV cache, and why: on CUDA from a max-size profiling forward (the real
+        attention backend and the sampler at full batch) plus the CUDA-graph estimate; on CPU the setting."""
         runner = self._runner()
         assert self.device is not None
         if self.device.type == "cpu":
-            return int(self.config.cache_config.kv_cache_memory_gib * _GIB)
+            budget = int(self.config.cache_config.kv_cache_memory_gib * _GIB)
+            return MemoryProfile(self.rank, budget, 0, 0, 0, budget)
         torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         runner.profile_run()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
-        budget = total * self.config.cache_config.gpu_memory_utilization - used_by_others
+        budget = int(total * self.config.cache_config.gpu_memory_utilization - used_by_others)
+        peak = torch.cuda.max_memory_allocated() - weights
         # The CUDA graphs captured after the KV cache need their own memory beyond the profile run's peak.
-        return max(0, int(budget - torch.cuda.max_memory_allocated() - runner.cudagraph_memory_estimate()))
+        graphs = runner.cudagraph_memory_estimate()
+        return MemoryProfile(self.rank, budget, weights, peak, graphs, max(0, budget - weights - peak - graphs))
 
     def sleep(self, level: int = 1) -> int:
         """Free the KV cache and offload (1) or drop (2) the weights (runner/sleep_mode.py); returns bytes freed."""
