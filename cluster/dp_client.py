@@ -240,7 +240,7 @@ class DPEngineCoreClient:
         for output in message.outputs:
             if output.finish_reason is not None:
                 self.request_engine.pop(output.request_id, None)
-        self._buffered.extend(output for output in message.outputs)
+        self._buffered.extend(message.outputs)
 
     def _on_death(self, index: int) -> None:
         if index in self._dead:

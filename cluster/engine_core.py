@@ -83,7 +83,7 @@ class EngineCore:
             return []
         scheduler_output = self._schedule()
         with tracing.span("execute_model"):
-            output = self.executor.execute_model(scheduler_output).result()
+            output = self._execute_model(scheduler_output).result()
         if output is None:
             with tracing.span("sample_tokens"):
                 output = self.executor.sample_tokens().result()
@@ -100,12 +100,10 @@ class EngineCore:
             # A step with no tokens still tells the workers which requests finished.
             if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids:
                 with tracing.span("dispatch"):
-                    execute_future = self.executor.execute_model(scheduler_output)
+                    execute_future = self._execute_model(scheduler_output)
                     queue.append((scheduler_output, execute_future, self.executor.sample_tokens()))
                 if len(queue) < queue.maxlen and not queue[0][2].done():
                     return []
-            else:
-                self.num_steps -= 1  # nothing went to the workers
         if not queue:
             return []
         scheduler_output, execute_future, sample_future = queue.popleft()
@@ -116,9 +114,13 @@ class EngineCore:
         assert output is not None, "the output rank returned no ModelRunnerOutput"
         return self._update_from_output(scheduler_output, output)
 
-    def _schedule(self) -> SchedulerOutput:
-        tracing.set_step(self.num_steps)
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
+        """Every step sent to the workers goes through here, so num_steps matches the workers' own count."""
         self.num_steps += 1
+        return self.executor.execute_model(scheduler_output)
+
+    def _schedule(self) -> SchedulerOutput:
+        tracing.set_step(self.num_steps)  # the number of the step if it is dispatched
         with tracing.span("schedule") as event:
             scheduler_output = self.scheduler.schedule()
             if event is not None:  # tracing is on: name the requests of the step
