@@ -87,7 +87,7 @@ def _serve_on_ray(config: EngineConfig, address: str | None) -> int:
     import ray
     from ray import serve
 
-    from cluster.serve import build_openai_app
+    from cluster.serve import build_openai_app, start_serve
 
     ray.init(address=address)
     stop = threading.Event()
@@ -95,7 +95,7 @@ def _serve_on_ray(config: EngineConfig, address: str | None) -> int:
         signal.signal(signum, lambda *_: stop.set())
     try:
         serving = config.serving_config
-        serve.start(http_options={"host": serving.host, "port": serving.port})
+        start_serve(serving.host, serving.port)
         serve.run(build_openai_app(config), name="raylm", route_prefix="/", blocking=False)
         print(f"raylm: serving {config.model_config.served_model_name} at http://{serving.host}:{serving.port}/v1 "
               f"(Ctrl-C to stop)", flush=True)

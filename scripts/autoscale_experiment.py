@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from cluster.serve import build_openai_app  # noqa: E402
+from cluster.serve import build_openai_app, start_serve  # noqa: E402
 from cluster.serving_benchmark import random_prompts  # noqa: E402
 from configs import make_engine_config  # noqa: E402
 
@@ -179,7 +179,7 @@ def main() -> None:
     ray.init(address=args.address or "local", num_cpus=None if args.address else args.max_replicas + 2,
              include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        start_serve("127.0.0.1", args.port)
         app = build_openai_app(config)
         serve.run(app, name="raylm", route_prefix="/", blocking=False)
         model = config.model_config.served_model_name

@@ -2,6 +2,7 @@
 /metrics, and a replica whose worker dies replaced."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,7 +21,7 @@ from ray import serve
 from ray._private.state import actors
 from ray.serve.context import _get_global_client
 
-from cluster.serve import LLMServer, build_app, llm_server_options
+from cluster.serve import SERVE_ENV_VARS, LLMServer, build_app, llm_server_options, start_serve
 from configs import make_engine_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def base_url(application: dict[str, Any], llama_path: Path) -> Iterator[str]:
     ray.init(address="local", num_cpus=4, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve("127.0.0.1", port)
         app = build_app({**application["args"], "model": str(llama_path)})
         serve.run(app, name=application["name"], route_prefix=application["route_prefix"])
         yield f"http://127.0.0.1:{port}/v1"
@@ -56,6 +57,53 @@ def test_serve_config_builds_autoscaling_deployments(application: dict[str, Any]
     config = make_engine_config(settings.pop("config"), **settings)
     autoscaling = llm_server_options(config)["autoscaling_config"]
     assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (1, 2)
+
+
+def test_serve_config_gives_serve_raylm_settings() -> None:
+    """`serve run configs/serve-tiny.yaml` starts Serve's controller and proxies as start_serve does."""
+    controller_options = yaml.safe_load(SERVE_CONFIG.read_text())["controller_options"]
+    assert controller_options == {"runtime_env": {"env_vars": SERVE_ENV_VARS}}
+
+
+def test_replica_runs_at_nice_0() -> None:
+    config = make_engine_config("configs/tiny.yaml")
+    assert llm_server_options(config)["ray_actor_options"]["runtime_env"] == {"env_vars": {"RAY_worker_niceness": "0"}}
+
+
+def test_serve_actors_get_raylm_settings(base_url: str, llama_path: Path) -> None:
+    """start_serve's env reaches the proxy through the controller's runtime_env, and the replica keeps the driver's
+    runtime_env (PYTHONPATH here) beside its own: all of them at nice 0, not Ray's 15."""
+    alive = [a for a in actors().values() if a["State"] == "ALIVE"]
+    [proxy] = [a["Pid"] for a in alive if a["ActorClassName"] == "ProxyActor"]
+    [replica] = [a["Pid"] for a in alive if a["ActorClassName"].endswith(f"LLMServer:{llama_path.name}")]
+    for pid in (proxy, replica):
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 0
+    assert SERVE_ENV_VARS.items() <= _environ(proxy).items()
+    assert _environ(replica)["PYTHONPATH"] == str(REPO_ROOT)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        entries = f.read().decode().split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def test_stream_is_sse_through_the_grpc_proxy(base_url: str, llama_path: Path) -> None:
+    """The raw body the client gets: one `data: {json}` event per token, the usage chunk, then [DONE]."""
+    body = json.dumps({"model": llama_path.name, "prompt": "Once upon a time", "max_tokens": 5, "stream": True,
+                       "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{base_url}/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        text = response.read().decode()
+    assert text.endswith("\n\n")
+    events = text.removesuffix("\n\n").split("\n\n")
+    assert all(event.startswith("data: ") and "\n" not in event for event in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert [len(chunk["choices"]) for chunk in chunks] == [1] * 5 + [0]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
 def test_answers_through_serve(base_url: str, application: dict[str, Any], llama_path: Path) -> None:
