@@ -6,7 +6,16 @@
 # Then, from another shell:
 #   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
 #        -d '{"prompt": "Once upon a time", "max_tokens": 16}'
+# Needs `raylm` on PATH: an activated environment where raylm is installed, or the .venv that scripts/bootstrap.sh
+# makes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v raylm >/dev/null 2>&1 && [ -x .venv/bin/raylm ]; then
+  export PATH="$PWD/.venv/bin:$PATH"
+fi
+if ! command -v raylm >/dev/null 2>&1; then
+  echo "launch_serve_local.sh: no \`raylm\` on PATH; install raylm (\`pip install -e .\`) or run scripts/bootstrap.sh" >&2
+  exit 1
+fi
 export RAY_USAGE_STATS_ENABLED=0
-exec .venv/bin/python -m cluster.cli serve --config configs/tiny.yaml "$@"
+exec raylm serve --config configs/tiny.yaml "$@"
