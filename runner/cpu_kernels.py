@@ -39,7 +39,8 @@ def is_enabled() -> bool:
     return _enabled
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags: what a build or a measurement done on this machine depends on."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -66,7 +67,7 @@ def load() -> ModuleType | None:
     _put_ninja_on_path()
     sources = sorted(_CSRC.glob("*.[ch]*"))
     key = content_key(*(part for path in sources for part in (path.name, path.read_bytes())), " ".join(_CFLAGS),
-                      _cpu_flags(), torch.__version__, sys.implementation.cache_tag)
+                      cpu_flags(), torch.__version__, sys.implementation.cache_tag)
     name, folder = f"raylm_cpu_kernels_{key[:12]}", cache_path("cpu_kernels", key)
     try:
         built = build_once(folder, lambda tmp: _build(name, sources, tmp),

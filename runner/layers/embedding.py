@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.layers import cpu_gemm
+from runner.layers.cpu_gemm import CpuGemmMixin
 from runner.layers.linear import set_weight_loader
 from runner.parallel_state import get_tp_group
 
@@ -53,7 +53,7 @@ class VocabParallelEmbedding(nn.Module):
         return f"vocab={self.num_embeddings}, per_partition={self.num_embeddings_per_partition}, tp={self.tp_size}"
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(CpuGemmMixin, VocabParallelEmbedding):
     """Logits over the vocabulary; every TP rank gets the full logits (all-gather of the vocab shards), so every
     rank can sample the same tokens."""
 
@@ -66,18 +66,12 @@ class ParallelLMHead(VocabParallelEmbedding):
                 nn.Parameter(torch.empty(self.num_embeddings_per_partition), requires_grad=False),
                 self.weight_loader)
 
-        self.packed_weight: torch.Tensor | None = None
-
-    def process_weights_after_loading(self) -> None:
-        if cpu_gemm.can_pack(self.weight):
-            self.packed_weight = cpu_gemm.pack_weight(self.weight)
-
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         assert embed_tokens.weight.shape == self.weight.shape, "tied embeddings must be sharded alike"
         self.weight = embed_tokens.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits."""
-        logits = cpu_gemm.linear(hidden_states, self.weight, self.packed_weight, self.bias)
+        logits = self.cpu_linear(hidden_states, self.bias)
         logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings]

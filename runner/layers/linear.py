@@ -8,7 +8,7 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from runner.layers import cpu_gemm
+from runner.layers.cpu_gemm import CpuGemmMixin
 from runner.parallel_state import get_tp_group
 
 WeightLoader = Callable[..., None]
@@ -33,7 +33,7 @@ def _copy_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, shard_rank: i
     dst.copy_(loaded.narrow(dim, shard_rank * size, size))
 
 
-class LinearBase(nn.Module):
+class LinearBase(CpuGemmMixin, nn.Module):
     """y = x W^T + b with W of shape [out_features, in_features] on this rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -46,14 +46,6 @@ class LinearBase(nn.Module):
         if bias:
             self.bias = set_weight_loader(nn.Parameter(torch.empty(out_features), requires_grad=False),
                                           self.weight_loader)
-        self.packed_weight: torch.Tensor | None = None
-
-    def process_weights_after_loading(self) -> None:
-        if cpu_gemm.can_pack(self.weight):
-            self.packed_weight = cpu_gemm.pack_weight(self.weight)
-
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.packed_weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         raise NotImplementedError
@@ -76,7 +68,7 @@ class ColumnParallelLinear(LinearBase):
         _copy_shard(param.data, loaded_weight, 0, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.apply(x, self.bias)
+        y = self.cpu_linear(x, self.bias)
         return get_tp_group().all_gather(y) if self.gather_output else y
 
 
@@ -154,5 +146,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias joins on one rank only, so the all-reduce adds it once.
-        y = self.apply(x, self.bias if self.tp_rank == 0 else None)
+        y = self.cpu_linear(x, self.bias if self.tp_rank == 0 else None)
         return get_tp_group().all_reduce(y) if self.reduce_results else y

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from runner.layers.cpu_gemm import plan_linears
 from runner.models.registry import get_model_cls
 from runner.models.utils import pp_missing_prefixes
 
@@ -75,6 +76,8 @@ def load_model(model_path: str | Path, hf_config: PretrainedConfig | None = None
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    if torch.device(device).type == "cpu":
+        plan_linears(model)
     return model.eval()
 
 

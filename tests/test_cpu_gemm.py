@@ -1,0 +1,91 @@
+"""CPU linear kernels chosen per weight shape and row count by timing (runner/layers/cpu_gemm.py)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runner.layers import cpu_gemm
+from runner.layers.cpu_gemm import ROW_BUCKETS, CpuGemmMixin, GemmPlan, plan_linears
+from runner.layers.linear import LinearBase
+from runner.models.loader import load_model
+from runner.parallel_state import destroy_model_parallel, init_model_parallel
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def _single_process_groups() -> Iterator[None]:
+    init_model_parallel(1, 1)
+    yield
+    destroy_model_parallel()
+
+
+@pytest.fixture
+def gemm_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
+    return tmp_path / "gemm_plans"
+
+
+def test_rows_map_to_the_first_bucket_at_or_above() -> None:
+    plan = GemmPlan(tuple(i % 2 == 1 for i in range(len(ROW_BUCKETS))))  # 1: no, 4: yes, 16: no, ...
+    expected = {1: 0, 2: 1, 4: 1, 5: 2, 16: 2, 17: 3, 64: 3, 65: 4, 256: 4, 257: 5, 1024: 5, 100_000: 5}
+    for rows, bucket in expected.items():
+        assert plan.onednn_for(rows) == (bucket % 2 == 1), rows
+    assert GemmPlan((False, False, True, True, True, True)).describe() == "sgemm up to 4 rows, then onednn"
+    assert GemmPlan((True,) * 6).describe() == "onednn"
+
+
+def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm_cache: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[tuple[int, ...]] = []
+    real_time_kernels = cpu_gemm.time_kernels
+
+    def counting(layer: CpuGemmMixin) -> tuple[GemmPlan, dict[str, list[float]]]:
+        timed.append(tuple(layer.weight.shape))
+        return real_time_kernels(layer)
+
+    monkeypatch.setattr(cpu_gemm, "time_kernels", counting)
+    model = load_model(llama_path)
+    layers = [m for m in model.modules() if isinstance(m, CpuGemmMixin)]
+    shapes = {tuple(m.weight.shape) for m in layers}
+    assert sorted(timed) == sorted(shapes), "each shape is timed once, whatever its number of layers"
+    assert all(m.gemm_plan is not None for m in layers)
+    assert len(list(gemm_cache.glob("*/plans.json"))) == 1
+
+    # A second load (another worker, a later start-up) reads the plans instead of timing again.
+    timed.clear()
+    again = load_model(llama_path)
+    assert timed == []
+    plans = {tuple(m.weight.shape): m.gemm_plan for m in layers}
+    assert all(plans[tuple(m.weight.shape)] == m.gemm_plan for m in again.modules() if isinstance(m, CpuGemmMixin))
+
+
+@pytest.mark.parametrize("use_onednn", [True, False])
+def test_both_kernels_compute_the_linear(use_onednn: bool, gemm_cache: Path) -> None:
+    torch.manual_seed(0)
+    layer = LinearBase(96, 80, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    layer.process_weights_after_loading()
+    assert layer.packed_weight is not None
+    layer.gemm_plan = GemmPlan((use_onednn,) * len(ROW_BUCKETS))
+    layer.process_weights_after_loading()  # what plan_linears and sleep mode's wake-up do
+    assert (layer.packed_weight is not None) == use_onednn, "a plan without oneDNN keeps no packed copy"
+    for rows in (1, 3, 17, 300):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(layer.cpu_linear(x, layer.bias), F.linear(x, layer.weight, layer.bias),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_shape_whose_plan_never_uses_onednn_drops_its_packed_copy(gemm_cache: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_gemm, "time_kernels", lambda layer: (GemmPlan((False,) * len(ROW_BUCKETS)), {}))
+    model = torch.nn.Sequential(LinearBase(32, 48, bias=False), LinearBase(32, 48, bias=False))
+    for layer in model:
+        layer.process_weights_after_loading()
+    plan_linears(model)
+    assert all(layer.packed_weight is None and layer.gemm_plan is not None for layer in model)
