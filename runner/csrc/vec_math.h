@@ -43,6 +43,9 @@ inline void check_rows(const torch::Tensor& t, const char* name) {
 // accumulators across a tile's keys never round-trip through memory.
 typedef float vec16 __attribute__((vector_size(kTile * sizeof(float))));
 
+typedef int32_t ivec16 __attribute__((vector_size(kTile * sizeof(int32_t))));
+constexpr ivec16 kLanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
 inline vec16 load16(const float* p) {
   vec16 v;
   std::memcpy(&v, p, sizeof(v));
@@ -50,5 +53,33 @@ inline vec16 load16(const float* p) {
 }
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Lane-wise vexp: the loop vectorizes, and the compiler keeps it in registers.
+inline vec16 vexp16(vec16 x) {
+  float in[kTile], out[kTile];
+  store16(in, x);
+#pragma omp simd
+  for (int64_t j = 0; j < kTile; ++j) out[j] = vexp(in[j]);
+  return load16(out);
+}
+
+// Horizontal max and sum by halving shuffles: four steps, no scalar chain.
+inline vec16 vmax(vec16 a, vec16 b) { return a > b ? a : b; }
+
+inline float hmax16(vec16 v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+inline float hsum16(vec16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
 
 }  // namespace raylm
