@@ -4,7 +4,7 @@ execute_model: apply the scheduler's diff to the persistent InputBatch, prepare 
 inputs into persistent buffers, decide how the batch runs, run the forward, keep the logits (ExecuteModelState).
 sample_tokens: sample from the kept logits and append the tokens to the batch.
 
-Every forward (a step, a dummy batch, the profile run) goes through `_determine_batch_execution_and_padding` and
+Every forward (a step, a dummy batch, the profile run of runner/profile_run.py) goes through `_determine_batch_execution_and_padding` and
 then `_run_forward` (runner/batch_execution.py), the only caller of the model: under lock-step data parallel each
 forward joins the DP ranks' coordination, so no rank can skip a collective the others wait in. The decision (one
 BatchDescriptor) fixes the CUDA-graph mode and padded size, and whether the forward runs as two micro-batches.
@@ -28,6 +28,7 @@ from runner.input_batch import CachedRequestState, InputBatch
 from runner.models.loader import load_model, reload_weights
 from runner.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from runner.parallel_state import get_dp_group, get_pp_group
+from runner.profile_run import ProfileRunMixin
 from runner.prompt_logprobs import PromptLogprobsProcessor
 from runner.sampler import Sampler
 from runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_lists
@@ -58,7 +59,7 @@ class _CallCounter:
             self.count += 1
 
 
-class ModelRunner(BatchExecutionMixin, CUDAGraphCaptureMixin, SleepModeMixin):
+class ModelRunner(BatchExecutionMixin, ProfileRunMixin, CUDAGraphCaptureMixin, SleepModeMixin):
     def __init__(self, config: EngineConfig, model_info: ModelInfo, device: torch.device) -> None:
         self.config = config
         self.model_info = model_info
@@ -137,15 +138,6 @@ class ModelRunner(BatchExecutionMixin, CUDAGraphCaptureMixin, SleepModeMixin):
                                                          layer.head_size)
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
-
-    @torch.inference_mode()
-    def profile_run(self) -> None:
-        """A max-size dummy forward, to measure peak activation memory."""
-        hidden = self._dummy_run(self.max_num_tokens, uniform_decode=False)
-        if get_pp_group().is_last_rank:
-            assert self.model is not None and isinstance(hidden, torch.Tensor)
-            # A full batch of float32 logits is what the sampler adds to the peak.
-            self.model.compute_logits(hidden[: self.max_num_reqs]).float().argmax(dim=-1)
 
     # ---- one step --------------------------------------------------------------------------
 

@@ -51,7 +51,8 @@ class CPUAttentionBackend(AttentionBackend):
         n = metadata.num_actual_tokens
         ops.write_kv(key[:n], value[:n], kv_cache[0], kv_cache[1], metadata.slot_mapping)
         output = query.new_empty(num_tokens, num_heads, head_size)
-        output[n:].zero_()
+        if n < num_tokens:  # padding rows
+            output[n:].zero_()
         ops.paged_attention(output, query, kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens,
                             metadata.query_start_loc, scale)
         return output.view(num_tokens, num_heads * head_size)

@@ -9,7 +9,7 @@ namespace raylm {
 // x[i] = rmsnorm(x[i] (+ residual[i])) * weight; with a residual, residual[i] becomes the sum first.
 inline void rms_norm_rows(float* x, int64_t x_stride, float* residual, const float* weight, int64_t rows,
                           int64_t hidden, float eps, float* out, int64_t out_stride) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_chunk(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* xi = x + i * x_stride;
       float* src = xi;
@@ -54,7 +54,7 @@ inline torch::Tensor silu_and_mul(torch::Tensor x) {
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t in_stride = x.stride(0);
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_chunk(2 * d), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* gate = in + i * in_stride;
       const float* up = gate + d;
@@ -81,7 +81,8 @@ inline void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch
   float* q = query.data_ptr<float>();
   float* k = key.data_ptr<float>();
   const int64_t q_stride = query.stride(0), k_stride = key.stride(0);
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+  const int64_t grain = rows_per_chunk((q_heads + k_heads) * rotary_dim);
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cache + pos[t] * rotary_dim;
       const float* sin = cos + half;

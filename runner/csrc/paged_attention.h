@@ -25,7 +25,8 @@ inline void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_c
   float* kc = key_cache.data_ptr<float>();
   float* vc = value_cache.data_ptr<float>();
   const int64_t k_stride = key.stride(0), v_stride = value.stride(0), tile = block_size * head_size;
-  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+  const int64_t grain = rows_per_chunk(2 * num_kv_heads * head_size);
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;
       const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;

@@ -34,6 +34,13 @@ inline float vexp(float x) {
   return p * two_n;
 }
 
+// Rows per parallel chunk for elementwise work of `floats_per_row` floats a row: chunks of ~32K floats, so that a
+// decode step's small ops (a few thousand floats) run on the calling thread instead of paying an OpenMP fork and
+// join, which costs more than the work itself there.
+inline int64_t rows_per_chunk(int64_t floats_per_row) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, floats_per_row));
+}
+
 inline void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
