@@ -31,12 +31,13 @@ def gemm_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_rows_map_to_the_first_bucket_at_or_above() -> None:
-    plan = GemmPlan(tuple(i % 2 == 1 for i in range(len(ROW_BUCKETS))))  # 1: no, 4: yes, 16: no, ...
-    expected = {1: 0, 2: 1, 4: 1, 5: 2, 16: 2, 17: 3, 64: 3, 65: 4, 256: 4, 257: 5, 1024: 5, 100_000: 5}
+    plan = GemmPlan(tuple(i % 2 == 1 for i in range(len(ROW_BUCKETS))))  # 1: no, 2: yes, 4: no, ...
+    expected = {1: 0, 2: 1, 3: 2, 4: 2, 5: 3, 8: 3, 9: 4, 64: 6, 65: 7, 512: 9, 513: 10, 1024: 10, 100_000: 10}
     for rows, bucket in expected.items():
         assert plan.onednn_for(rows) == (bucket % 2 == 1), rows
-    assert GemmPlan((False, False, True, True, True, True)).describe() == "sgemm up to 4 rows, then onednn"
-    assert GemmPlan((True,) * 6).describe() == "onednn"
+    assert GemmPlan((False, False, False, True, True)).describe() == "sgemm up to 4 rows, then onednn"
+    assert GemmPlan((True, False, True)).describe() == "onednn up to 1 row, then sgemm up to 2 rows, then onednn"
+    assert GemmPlan((True,) * 11).describe() == "onednn"
 
 
 def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm_cache: Path,

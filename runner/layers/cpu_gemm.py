@@ -30,7 +30,7 @@ from runner.logger import show_info
 logger = logging.getLogger(__name__)
 
 # The rows timed; a batch of n rows takes the kernel of the first bucket >= n (of the last beyond it).
-ROW_BUCKETS = (1, 4, 16, 64, 256, 1024)
+ROW_BUCKETS = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024
 _TIMED_ROUNDS = 5
 # Past this many FLOPs per call both kernels are compute-bound: larger buckets take the last timed choice, which
 # keeps the start-up cost of a big model's shapes to seconds.
@@ -46,8 +46,8 @@ class GemmPlan:
     use_onednn: tuple[bool, ...]  # one entry per ROW_BUCKETS
 
     def onednn_for(self, rows: int) -> bool:
-        # Bucket i holds the rows in (4**(i-1), 4**i].
-        return self.use_onednn[min(((max(rows, 1) - 1).bit_length() + 1) >> 1, len(self.use_onednn) - 1)]
+        # Bucket i holds the rows in (2**(i-1), 2**i].
+        return self.use_onednn[min((max(rows, 1) - 1).bit_length(), len(self.use_onednn) - 1)]
 
     def describe(self) -> str:
         """E.g. "sgemm up to 16 rows, then onednn"."""
