@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from runner.penalties import apply_logits_processors
-from runner.sampler import LogprobsTensors, Sampler, apply_top_k_top_p_min_p, lowbias32_, random_uniform
+from runner.sampler import (
+    LogprobsTensors,
+    Sampler,
+    apply_top_k_top_p_min_p,
+    argmax_rows,
+    lowbias32_,
+    random_uniform,
+)
 from runner.sampling_metadata import SamplingMetadata, make_padded_token_ids
 from runner.sampling_params import SamplingParams
 
@@ -277,3 +284,10 @@ def test_no_logprobs_requested() -> None:
 def test_make_padded_token_ids() -> None:
     assert make_padded_token_ids([[1, 2, 3], [], [4]], 9).tolist() == [[1, 2, 3], [9, 9, 9], [4, 9, 9]]
     assert make_padded_token_ids([[], []], 9).shape == (2, 0)
+
+
+def test_argmax_rows_is_torchs_argmax_with_first_index_on_ties() -> None:
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(0))
+    logits[3, [7, 500, 999]] = 100.0  # a three-way tie: the first index wins, as in torch.argmax
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert argmax_rows(logits)[3] == 7 and argmax_rows(logits).dtype == torch.int64
