@@ -4,10 +4,11 @@ execute_model: apply the scheduler's diff to the persistent InputBatch, prepare 
 inputs into persistent buffers, decide how the batch runs, run the forward, keep the logits (ExecuteModelState).
 sample_tokens: sample from the kept logits and append the tokens to the batch.
 
-Every forward (a step, a dummy batch, the profile run of runner/profile_run.py) goes through `_determine_batch_execution_and_padding` and
-then `_run_forward` (runner/batch_execution.py), the only caller of the model: under lock-step data parallel each
-forward joins the DP ranks' coordination, so no rank can skip a collective the others wait in. The decision (one
-BatchDescriptor) fixes the CUDA-graph mode and padded size, and whether the forward runs as two micro-batches.
+Every forward (a step, a dummy batch, the profile run of runner/profile_run.py) goes through
+`_determine_batch_execution_and_padding` and then `_run_forward` (runner/batch_execution.py), the only caller of the
+model: under lock-step data parallel each forward joins the DP ranks' coordination, so no rank can skip a collective
+the others wait in. The decision (one BatchDescriptor) fixes the CUDA-graph mode and padded size, and whether the
+forward runs as two micro-batches.
 """
 from __future__ import annotations
 

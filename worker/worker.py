@@ -101,12 +101,12 @@ class Worker:
         torch.cuda.empty_cache()
         weights = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        runner.profile_run()
+        scratch_kv = runner.profile_run()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
         budget = int(total * self.config.cache_config.gpu_memory_utilization - used_by_others)
-        peak = torch.cuda.max_memory_allocated() - weights
+        peak = torch.cuda.max_memory_allocated() - weights - scratch_kv
         # The CUDA graphs captured after the KV cache need their own memory beyond the profile run's peak.
         graphs = runner.cudagraph_memory_estimate()
         return MemoryProfile(self.rank, budget, weights, peak, graphs, max(0, budget - weights - peak - graphs))
