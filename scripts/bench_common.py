@@ -46,14 +46,22 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
     return prompts, [rng.randint(*output_len) for _ in range(num_requests)]
 
 
+def decoder_linear_weights(model: Path) -> int:
+    """Weights of the decoder layers' linears (qkv, o, gate_up, down): 2 FLOPs each per token."""
+    config = json.loads((model / "config.json").read_text())
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config["intermediate_size"]
+    return config["num_hidden_layers"] * per_layer
+
+
 def flops_per_run(model: Path, prompts: list[list[int]], output_lens: list[int]) -> float:
     """Matmul FLOPs the workload needs: 2 x weights per token, plus attention over the context."""
     config = json.loads((model / "config.json").read_text())
     hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * config["intermediate_size"]
-    weights = layers * per_layer + hidden * vocab
+    weights = decoder_linear_weights(model) + hidden * vocab
     total = 0.0
     for prompt, out in zip(prompts, output_lens):
         tokens = len(prompt) + out

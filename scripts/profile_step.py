@@ -29,13 +29,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster import LLM, SamplingParams  # noqa: E402
 from cluster.detokenizer import IncrementalDetokenizer  # noqa: E402
 from runner import tracing  # noqa: E402
-from scripts.bench_common import PRESETS, machine_line, make_workload, preset_model, vocab_size  # noqa: E402
+from scripts.bench_common import (  # noqa: E402
+    PRESETS,
+    decoder_linear_weights,
+    machine_line,
+    make_workload,
+    preset_model,
+    vocab_size,
+)
 
 # (input length range, output length range): prefill-heavy is mostly prompt tokens, decode-heavy mostly output.
 WORKLOADS = {"prefill": ((128, 256), (1, 4)), "decode": ((8, 16), (96, 128))}
 # Timeline spans that do not overlap; the engine's execute_model / sample_tokens spans hold them.
 PHASES = ["schedule", "update_states", "prepare_inputs", "batch_decision", "forward", "compute_logits", "sample",
           "update_from_output", "process_outputs"]
+LINEARS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 # Leaf modules by attribute name -> the row of the table.
 LAYER_TYPES = {"embed_tokens": "embedding", "input_layernorm": "rms_norm", "post_attention_layernorm": "rms_norm",
                "norm": "rms_norm", "qkv_proj": "qkv_proj", "rotary_emb": "rotary", "attn": "attention",
@@ -123,8 +131,9 @@ def hook_overhead_seconds(calls: int = 20_000) -> float:
     return max(0.0, hooked - plain) / calls
 
 
-def profile(preset: str, workload: str, num_requests: int, runs: int) -> tuple[dict[str, float], float, int]:
-    """Seconds per phase of one run (mean of `runs`), the wall seconds of one run and its output tokens."""
+def profile(preset: str, workload: str, num_requests: int, runs: int) -> tuple[dict[str, float], float, int, float]:
+    """Seconds per phase of one run (mean of `runs`), the wall seconds of one run, its output tokens and the FLOPs of
+    its decoder linears (every token but each request's last is computed)."""
     model_path = preset_model(preset)
     input_len, output_len = WORKLOADS[workload]
     prompts, output_lens = make_workload(num_requests, input_len, output_len, vocab_size(model_path), seed=0)
@@ -159,7 +168,9 @@ def profile(preset: str, workload: str, num_requests: int, runs: int) -> tuple[d
         totals[f"forward: {kind}"] = seconds * scale
     totals["forward: other"] = hooked_rest * scale
     totals["engine loop (rest)"] = max(0.0, wall - sum(totals.values()))
-    return {name: seconds / runs for name, seconds in totals.items()}, wall / runs, sum(output_lens)
+    computed_tokens = sum(len(p) + n - 1 for p, n in zip(prompts, output_lens))
+    linear_flops = 2.0 * decoder_linear_weights(model_path) * computed_tokens
+    return {name: seconds / runs for name, seconds in totals.items()}, wall / runs, sum(output_lens), linear_flops
 
 
 def main() -> None:
@@ -172,11 +183,11 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     print(machine_line())
 
-    columns: list[tuple[str, dict[str, float], float, int]] = []
+    columns: list[tuple[str, dict[str, float], float, int, float]] = []
     for preset in args.shapes:
         for workload in args.workloads:
-            shares, wall, tokens = profile(preset, workload, args.num_requests, args.runs)
-            columns.append((f"{preset} {workload}", shares, wall, tokens))
+            columns.append((f"{preset} {workload}", *profile(preset, workload, args.num_requests, args.runs)))
+            wall = columns[-1][2]
             print(f"  {preset} {workload}: {wall:.2f} s per run", file=sys.stderr)
 
     rows = [p for p in PHASES if p != "forward"]
@@ -187,10 +198,12 @@ def main() -> None:
     header = f"| phase (% of the run) | {' | '.join(name for name, *_ in columns)} |"
     print("\n" + header + "\n" + "|---" * (len(columns) + 1) + "|")
     for row in rows:
-        cells = [f"{shares.get(row, 0.0) / wall * 100:.1f}" for _, shares, wall, _ in columns]
+        cells = [f"{shares.get(row, 0.0) / wall * 100:.1f}" for _, shares, wall, _, _ in columns]
         print(f"| {row} | {' | '.join(cells)} |")
-    print(f"| **run time (s)** | {' | '.join(f'{wall:.2f}' for _, _, wall, _ in columns)} |")
-    print(f"| **output tok/s** | {' | '.join(f'{tokens / wall:.0f}' for _, _, wall, tokens in columns)} |")
+    print(f"| **run time (s)** | {' | '.join(f'{wall:.2f}' for _, _, wall, _, _ in columns)} |")
+    print(f"| **output tok/s** | {' | '.join(f'{tokens / wall:.0f}' for _, _, wall, tokens, _ in columns)} |")
+    rates = [flops / sum(shares[f"forward: {name}"] for name in LINEARS) / 1e9 for _, shares, _, _, flops in columns]
+    print(f"| **decoder linears (GFLOP/s)** | {' | '.join(f'{rate:.0f}' for rate in rates)} |")
     print(f"\n{args.num_requests} requests per run, prefill: input {WORKLOADS['prefill'][0]} output "
           f"{WORKLOADS['prefill'][1]}; decode: input {WORKLOADS['decode'][0]} output {WORKLOADS['decode'][1]}; "
           f"greedy fp32, mean of {args.runs} runs after a warm-up, {torch.get_num_threads()} threads")
