@@ -29,6 +29,7 @@ import ray  # noqa: E402
 
 from cluster import LLM, SamplingParams  # noqa: E402
 from cluster.tiny_model import make_tiny_model  # noqa: E402
+from scripts.bench_common import matmul_gflops  # noqa: E402
 
 ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
 MODELS = {
@@ -43,15 +44,6 @@ LAYOUTS: dict[str, dict[str, dict[str, Any]]] = {
         "DP=2 + EP (lock-step)": {"data_parallel_size": 2, "enable_expert_parallel": True},
     },
 }
-
-
-def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
 
 
 def workload(num_requests: int, seed: int = 0) -> tuple[list[dict], list[SamplingParams], int]:

@@ -73,8 +73,8 @@ class CpuGemmMixin:
         wanted = self.gemm_plan is None or any(self.gemm_plan.use_onednn)
         self.packed_weight = pack_weight(self.weight) if wanted and can_pack(self.weight) else None
 
-    def cpu_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """y = x W^T + bias, by the plan's kernel for x's rows (sgemm where nothing was packed)."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y = x W^T + bias, by the plan's kernel for x's rows; F.linear where nothing was packed (on a GPU: cuBLAS)."""
         packed, plan = self.packed_weight, self.gemm_plan
         if packed is None or (plan is not None and not plan.onednn_for(x.shape[0])):
             return F.linear(x, self.weight, bias)

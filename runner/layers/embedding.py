@@ -72,6 +72,6 @@ class ParallelLMHead(CpuGemmMixin, VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits."""
-        logits = self.cpu_linear(hidden_states, self.bias)
+        logits = self.matmul(hidden_states, self.bias)
         logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings]

@@ -68,7 +68,7 @@ class ColumnParallelLinear(LinearBase):
         _copy_shard(param.data, loaded_weight, 0, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.cpu_linear(x, self.bias)
+        y = self.matmul(x, self.bias)
         return get_tp_group().all_gather(y) if self.gather_output else y
 
 
@@ -146,5 +146,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias joins on one rank only, so the all-reduce adds it once.
-        y = self.cpu_linear(x, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         return get_tp_group().all_reduce(y) if self.reduce_results else y
