@@ -135,7 +135,7 @@ class BatchExecutionMixin(InputBuffersMixin):
         if (batch_descriptor.cudagraph_mode == CUDAGraphMode.FULL and common is not None and graphs is not None
                 and graphs.has(n)):
             assert uniform_decode and num_reqs == num_tokens, "FULL graphs are captured for uniform decode batches"
-            self.seq_lens.gpu[num_reqs:n].zero_()  # padding requests see no cached key
+            self._pad_decode_graph_inputs(num_reqs, n)
             with tracing.span("forward", num_tokens=n, cuda_graph=True):
                 return graphs.replay(n)
         attn_metadata = None if common is None else self.attn_backend.build(common)

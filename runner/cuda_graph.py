@@ -1,14 +1,15 @@
 """FULL CUDA graphs of the model: one per padded batch size, captured largest first into one memory pool (the
 smaller graphs reuse the largest one's memory) after the KV cache is allocated, replayed on the runner's persistent
-buffers (input ids, positions, slot mapping, seq_lens, block table) with attention reading only those."""
+buffers (input ids, positions, slot mapping, seq_lens, query_start_loc, block table) with attention reading only
+those (the backend's build_decode_graph: torch and triton have one)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
 
-from runner.attention.backend import AttentionBackend
-from runner.attention.torch_backend import TorchAttentionBackend
+from runner.attention.backend import AttentionBackend, AttentionCGSupport
+from runner.attention.common import DecodeGraphBuffers
 from runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
 from runner.cudagraph_dispatcher import CudagraphDispatcher
 from runner.forward_context import set_forward_context
@@ -48,7 +49,7 @@ class CUDAGraphRunner:
 
 
 class CUDAGraphCaptureMixin(InputBuffersMixin):
-    """The ModelRunner's FULL graphs of uniform decode batches (the torch attention backend's fixed-buffer path)."""
+    """The ModelRunner's FULL graphs of uniform decode batches (the attention backend's fixed-buffer decode)."""
 
     # Set by the ModelRunner.
     model: torch.nn.Module | None
@@ -61,10 +62,10 @@ class CUDAGraphCaptureMixin(InputBuffersMixin):
     attention_layers: Callable[[], list[torch.nn.Module]]
 
     def _captures_decode_graphs(self) -> bool:
-        """Whether FULL graphs of uniform decode batches can be built: the torch backend has a fixed-buffer path.
-        True on CPU too when FULL is asked for there, so that path runs in tests (nothing is captured on CPU)."""
-        return bool(self.cudagraph_dispatcher.full_capture_sizes) and isinstance(self.attn_backend,
-                                                                                 TorchAttentionBackend)
+        """Whether FULL graphs of uniform decode batches can be built: the backend has a fixed-buffer decode. True on
+        CPU too when FULL is asked for there, so that path runs in tests (nothing is captured on CPU)."""
+        fixed_buffer_decode = self.attn_backend.cudagraph_support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return bool(self.cudagraph_dispatcher.full_capture_sizes) and fixed_buffer_decode
 
     @torch.inference_mode()
     def capture_model(self) -> int:
@@ -74,18 +75,24 @@ class CUDAGraphCaptureMixin(InputBuffersMixin):
         assert self.kv_caches, "initialize_kv_cache first: graphs read the KV cache at fixed addresses"
         sizes = self.cudagraph_dispatcher.full_capture_sizes
         self._pad_inputs(0, max(sizes))
-        self.seq_lens.gpu[:max(sizes)].zero_()
+        self._pad_decode_graph_inputs(0, max(sizes))
         self.graph_runner = CUDAGraphRunner()
         self.graph_runner.capture(sizes, self._decode_graph_forward)
         return len(sizes)
 
+    def _pad_decode_graph_inputs(self, num_reqs: int, n: int) -> None:
+        """Requests num_reqs..n-1 of a uniform decode batch padded to n (their rows already hold token 0, position 0,
+        slot -1): one query token each, seq_len 1 (a fully masked row would give NaN)."""
+        self.seq_lens.gpu[num_reqs:n].fill_(1)
+        self.query_start_loc.gpu[num_reqs + 1 : n + 1].copy_(self.arange_gpu[num_reqs + 1 : n + 1])
+
     def _decode_graph_forward(self, n: int) -> torch.Tensor:
         """A uniform decode forward of n (padded) requests whose attention reads only the persistent buffers: what
-        capture_model records. The rows past the batch's requests must hold slot -1 and seq_len 0."""
-        assert self.model is not None and isinstance(self.attn_backend, TorchAttentionBackend)
-        assert self.scratch_slot >= 0, "the KV cache has no scratch block"
-        metadata = self.attn_backend.build_decode_graph(self.slot_mapping.gpu[:n], self.seq_lens.gpu[:n],
-                                                        self.block_table[:n], self.scratch_slot)
+        capture_model records. Rows past the batch's requests are padded by _pad_decode_graph_inputs."""
+        assert self.model is not None
+        buffers = DecodeGraphBuffers(self.slot_mapping.gpu[:n], self.seq_lens.gpu[:n], self.query_start_loc.gpu[:n + 1],
+                                     self.block_table[:n], self.scratch_slot)
+        metadata = self.attn_backend.build_decode_graph(buffers)
         with set_forward_context(metadata, n, BatchDescriptor(n, n, n, True, CUDAGraphMode.FULL)):
             output = self.model(self.input_ids.gpu[:n], self.positions.gpu[:n], None)
         assert isinstance(output, torch.Tensor)
@@ -97,6 +104,7 @@ class CUDAGraphCaptureMixin(InputBuffersMixin):
         if self.device.type != "cuda" or not self._captures_decode_graphs():
             return 0
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        num_keys = max(self.cudagraph_dispatcher.full_capture_sizes) * self.max_blocks_per_req * self.block_size
         layer = self.attention_layers()[0]
-        return num_keys * (2 * layer.num_kv_heads * layer.head_size * element_size + 4 * layer.num_heads + 8)
+        return self.attn_backend.decode_graph_bytes(max(self.cudagraph_dispatcher.full_capture_sizes),
+                                                    self.max_blocks_per_req * self.block_size, layer.num_heads,
+                                                    layer.num_kv_heads, layer.head_size, element_size)

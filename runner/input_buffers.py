@@ -45,6 +45,8 @@ class InputBuffersMixin:
         self.seq_lens = CpuGpuBuffer(self.max_num_reqs, torch.int32, device)
         self.block_table = torch.zeros((self.max_num_reqs, self.max_blocks_per_req), dtype=torch.int32, device=device)
         self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+        # query_start_loc of padding requests (one token each) in a fixed-buffer decode, copied on the device.
+        self.arange_gpu = torch.arange(self.max_num_reqs + 1, dtype=torch.int32, device=device)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput
                         ) -> tuple[CommonAttentionMetadata, int, np.ndarray, torch.Tensor]:

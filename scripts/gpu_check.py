@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import itertools
 import json
 import random
@@ -160,8 +161,9 @@ def main() -> int:
              {"attention_backend": "torch", "dtype": "float32"})]
         try:
             import triton  # noqa: F401
-            cases.append(("triton vs torch eager, fp32", ref32,
-                          {"attention_backend": "triton", "enforce_eager": True, "dtype": "float32"}))
+            cases += [(f"triton{' graphs' if not eager else ''} vs torch eager, fp32", ref32,
+                       {"attention_backend": "triton", "enforce_eager": eager, "dtype": "float32"})
+                      for eager in (True, False)]
         except ImportError:
             add(rows, "1 backends", "triton", "not installed (skipped)")
         try:
@@ -182,19 +184,21 @@ def main() -> int:
                 add(rows, "1 backends", name, f"{type(err).__name__}: {err}"[:300], "all", False)
 
     def decode_steps(rows: list[Row]) -> None:
-        times: dict[str, dict[int, float]] = {}
-        for mode, eager in (("eager", True), ("graphs", False)):
-            llm = make_llm(tiny, attention_backend="torch", enforce_eager=eager, dtype="float32",
-                           max_model_len=256, max_num_seqs=256)
-            try:
-                times[mode] = {b: decode_ms(llm, b) for b in (1, 8, 64, 256)}
-            finally:
-                close(llm)
-        for b in (1, 8, 64, 256):
-            add(rows, "2 decode step", f"batch {b}: eager / graphs ms",
-                f"{times['eager'][b]:.3f} / {times['graphs'][b]:.3f}")
-        speedup = times["eager"][1] / times["graphs"][1]
-        add(rows, "2 decode step", "graphs speed-up at batch 1", f"{speedup:.2f}x", ">= 2x", speedup >= 2.0)
+        for backend in ("torch", "triton") if importlib.util.find_spec("triton") else ("torch",):
+            times: dict[str, dict[int, float]] = {}
+            for mode, eager in (("eager", True), ("graphs", False)):
+                llm = make_llm(tiny, attention_backend=backend, enforce_eager=eager, dtype="float32",
+                               max_model_len=256, max_num_seqs=256)
+                try:
+                    times[mode] = {b: decode_ms(llm, b) for b in (1, 8, 64, 256)}
+                finally:
+                    close(llm)
+            for b in (1, 8, 64, 256):
+                add(rows, "2 decode step", f"{backend}, batch {b}: eager / graphs ms",
+                    f"{times['eager'][b]:.3f} / {times['graphs'][b]:.3f}")
+            speedup = times["eager"][1] / times["graphs"][1]
+            add(rows, "2 decode step", f"{backend}: graphs speed-up at batch 1", f"{speedup:.2f}x", ">= 2x",
+                speedup >= 2.0)
 
     def throughput(rows: list[Row]) -> None:
         from transformers import AutoModelForCausalLM

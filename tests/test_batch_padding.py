@@ -12,6 +12,7 @@ import torch
 
 from runner.attention import CPUAttentionBackend, TorchAttentionBackend
 from runner.attention.backend import AttentionBackend
+from runner.attention.common import DecodeGraphBuffers
 from runner.model_runner import ModelRunner
 from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_step
 from tests.test_attention_torch import make_common_metadata
@@ -76,7 +77,8 @@ def test_fixed_buffer_decode_writes_padding_to_the_scratch_block_only() -> None:
     graph_seq_lens = torch.tensor([*seq_lens, 0, 0], dtype=torch.int32)
     # Stale rows past the batch (any valid block id) are masked by seq_len 0.
     block_table = torch.tensor([[0, 3], [1, 5], [2, 0], [4, 6], [9, 9], [8, 1]], dtype=torch.int32)
-    metadata = backend.build_decode_graph(slot_mapping, graph_seq_lens, block_table, scratch)
+    metadata = backend.build_decode_graph(DecodeGraphBuffers(slot_mapping, graph_seq_lens,
+                                                             torch.arange(7, dtype=torch.int32), block_table, scratch))
     before = kv_cache.clone()
     output = backend.forward(query, key, value, kv_cache, metadata, HEAD_SIZE**-0.5)
     torch.testing.assert_close(output[:4], expected, atol=1e-5, rtol=1e-5)

@@ -2,6 +2,7 @@
 size, and for the batch sizes between them (padded up to the next size)."""
 from __future__ import annotations
 
+import importlib.util
 import random
 from pathlib import Path
 
@@ -13,7 +14,10 @@ from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_st
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CAPTURE_SIZES = [1, 2, 4, 8]
-SETTINGS = dict(attention_backend="torch", max_num_seqs=8, num_blocks=256, device="cuda")
+SETTINGS = dict(max_num_seqs=8, num_blocks=256, device="cuda")
+# The backends with a fixed-buffer decode (build_decode_graph).
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"))]
 
 
 def serve(runner: ModelRunner, batch: int, steps: Steps) -> tuple[list[dict[str, list[int]]], list[torch.Tensor]]:
@@ -26,14 +30,15 @@ def serve(runner: ModelRunner, batch: int, steps: Steps) -> tuple[list[dict[str,
 
 
 @pytest.mark.usefixtures(model_parallel_of_one.__name__)
-def test_graph_replay_equals_eager_on_every_capture_size(llama_path: Path) -> None:
-    graphed = make_runner(llama_path, cudagraph_capture_sizes=CAPTURE_SIZES, **SETTINGS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_replay_equals_eager_on_every_capture_size(llama_path: Path, backend: str) -> None:
+    graphed = make_runner(llama_path, cudagraph_capture_sizes=CAPTURE_SIZES, attention_backend=backend, **SETTINGS)
     assert graphed.capture_model() == len(CAPTURE_SIZES)
     assert graphed.graph_runner is not None
     replayed: list[int] = []
     replay = graphed.graph_runner.replay
     graphed.graph_runner.replay = lambda n: replayed.append(n) or replay(n)  # type: ignore[method-assign]
-    eager = make_runner(llama_path, enforce_eager=True, **SETTINGS)
+    eager = make_runner(llama_path, enforce_eager=True, attention_backend=backend, **SETTINGS)
     graphed_steps, eager_steps = Steps(graphed.block_size), Steps(eager.block_size)
     for batch in range(1, max(CAPTURE_SIZES) + 1):
         tokens, logits = serve(graphed, batch, graphed_steps)

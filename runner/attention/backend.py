@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from runner.attention.common import CommonAttentionMetadata
+from runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
 
 
 @dataclass
@@ -43,6 +43,17 @@ class AttentionBackend(ABC):
     def build(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         """Everything the layers of one step share, computed once per step. The block size is not part of
         `common`: backends read it from the KV cache (`kv_cache.shape` per `get_kv_cache_shape`)."""
+
+    def build_decode_graph(self, buffers: DecodeGraphBuffers) -> AttentionMetadata:
+        """The metadata of a uniform decode batch that reads only `buffers` (every shape fixed by the padded size):
+        what a FULL CUDA graph captures. Only backends whose cudagraph_support is not NEVER have it."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no fixed-buffer decode for CUDA graphs")
+
+    def decode_graph_bytes(self, num_reqs: int, max_keys: int, num_heads: int, num_kv_heads: int, head_size: int,
+                           element_size: int) -> int:
+        """Memory one layer's fixed-buffer decode of `num_reqs` requests allocates beyond its output (part of the
+        CUDA-graph estimate); none by default."""
+        return 0
 
     @abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
-from runner.attention.common import CommonAttentionMetadata
+from runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
 
 
 @dataclass
@@ -52,14 +52,10 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 @dataclass
 class DecodeGraphMetadata(AttentionMetadata):
-    """A uniform decode batch of B requests (B the padded size) read straight from the runner's persistent buffers:
-    every shape is fixed by B, so a captured CUDA graph replays it exactly whatever the batch. Padding requests have
-    seq_len 0 and slot -1; their K/V go to the scratch slot past the scheduler's blocks, their output is never read."""
+    """The fixed-buffer decode (runner/attention/common.py, DecodeGraphBuffers): padding requests' K/V go to the
+    scratch slot (an index_copy cannot skip rows inside a graph), their output is never read."""
 
-    slot_mapping: torch.Tensor  # [B] int64, -1: padding
-    seq_lens: torch.Tensor  # [B] int32
-    block_table: torch.Tensor  # [B, max_blocks_per_req] int32: every column, so the key range is fixed
-    scratch_slot: int  # a slot no request owns (the KV cache's extra block)
+    buffers: DecodeGraphBuffers
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -119,9 +115,14 @@ class TorchAttentionBackend(AttentionBackend):
         return SDPAGroup(max_q == 1, query_index, attn_mask, is_causal, out_rows, out_index,
                          common.block_table[reqs], key_valid)
 
-    def build_decode_graph(self, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                           scratch_slot: int) -> DecodeGraphMetadata:
-        return DecodeGraphMetadata(self, slot_mapping.shape[0], slot_mapping, seq_lens, block_table, scratch_slot)
+    def build_decode_graph(self, buffers: DecodeGraphBuffers) -> DecodeGraphMetadata:
+        assert buffers.scratch_slot >= 0, "the torch backend's fixed-buffer decode writes padding to a scratch slot"
+        return DecodeGraphMetadata(self, buffers.slot_mapping.shape[0], buffers)
+
+    def decode_graph_bytes(self, num_reqs: int, max_keys: int, num_heads: int, num_kv_heads: int, head_size: int,
+                           element_size: int) -> int:
+        """K/V gathered over the whole block-table width, their scores and key slots."""
+        return num_reqs * max_keys * (2 * num_kv_heads * head_size * element_size + 4 * num_heads + 8)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -169,18 +170,19 @@ class TorchAttentionBackend(AttentionBackend):
                               metadata: DecodeGraphMetadata, scale: float) -> torch.Tensor:
         """No host sync and no data-dependent shape: every request attends over the whole block-table width, masked
         at its seq_len. Costs B * max_model_len keys per layer: the price of a graph-safe plain-torch decode."""
+        buffers = metadata.buffers
         block_size = kv_cache.shape[2]
         key_cache, value_cache = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)
-        slots = torch.where(metadata.slot_mapping >= 0, metadata.slot_mapping, metadata.scratch_slot)
+        slots = torch.where(buffers.slot_mapping >= 0, buffers.slot_mapping, buffers.scratch_slot)
         key_cache.index_copy_(0, slots, key)
         value_cache.index_copy_(0, slots, value)
         num_reqs, num_kv_heads = query.shape[0], key.shape[1]
-        key_pos = torch.arange(metadata.block_table.shape[1] * block_size, device=query.device)
-        kv_slots = metadata.block_table[:, key_pos // block_size].long() * block_size + key_pos % block_size
+        key_pos = torch.arange(buffers.block_table.shape[1] * block_size, device=query.device)
+        kv_slots = buffers.block_table[:, key_pos // block_size].long() * block_size + key_pos % block_size
         k = key_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
         v = value_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
-        # Key 0 stays visible to padding requests (seq_len 0): a fully masked row would give NaN.
-        mask = key_pos < metadata.seq_lens.clamp(min=1)[:, None]
+        # Key 0 stays visible even at seq_len 0: a fully masked row would give NaN.
+        mask = key_pos < buffers.seq_lens.clamp(min=1)[:, None]
         q = query.unflatten(1, (num_kv_heads, -1))  # [B, KV, G, D]: K/V read once per KV head
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
         return o.reshape(num_reqs, -1)

@@ -13,8 +13,8 @@ import torch
 import triton
 
 from runner.attention import triton_kernels
-from runner.attention.backend import AttentionBackend, AttentionMetadata
-from runner.attention.common import CommonAttentionMetadata
+from runner.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
+from runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
 from runner.attention.torch_backend import TorchAttentionBackend
 
 # Keys per inner step of the attention kernel, and query rows per program for decode-only and other batches.
@@ -34,6 +34,9 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    # The kernels read every per-request value from device tensors, so the runner's persistent buffers serve as they
+    # are; the launch's Python numbers (tokens, requests, grid) are those of the padded size a graph is captured for.
+    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -44,6 +47,11 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionMetadata(self, n, common.slot_mapping[:n], common.query_start_loc[:num_reqs + 1],
                                        common.seq_lens[:num_reqs], common.block_table[:num_reqs], num_reqs,
                                        common.max_query_len)
+
+    def build_decode_graph(self, buffers: DecodeGraphBuffers) -> TritonAttentionMetadata:
+        num_reqs = buffers.slot_mapping.shape[0]
+        return TritonAttentionMetadata(self, num_reqs, buffers.slot_mapping, buffers.query_start_loc, buffers.seq_lens,
+                                       buffers.block_table, num_reqs, max_query_len=1)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -56,7 +64,8 @@ class TritonAttentionBackend(AttentionBackend):
         n = metadata.num_actual_tokens
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_size]
         output = query.new_empty(num_tokens, num_heads * head_size)
-        output[n:].zero_()
+        if n < num_tokens:  # padding rows
+            output[n:].zero_()
         if n == 0:
             return output
         head_p2 = max(16, triton.next_power_of_2(head_size))  # tl.dot needs every dimension >= 16
