@@ -86,15 +86,22 @@ class InputBuffersMixin:
         sampling_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
         logits_indices = torch.from_numpy(cu_num_tokens[sampling_rows] - 1).to(self.device, non_blocking=True)
 
+        max_blocks = int(batch.block_table.num_blocks[:num_reqs].max())
+        self.block_table[:num_reqs, :max_blocks].copy_(
+            torch.from_numpy(batch.block_table.table[:num_reqs, :max_blocks]), non_blocking=True)
+        common = self._common_metadata(num_reqs, num_tokens, max_blocks, int(num_scheduled.max()),
+                                       int(seq_lens.max()))
+        return common, num_tokens, sampling_rows, logits_indices
+
+    def _common_metadata(self, num_reqs: int, num_tokens: int, max_blocks: int, max_query_len: int,
+                         max_seq_len: int) -> CommonAttentionMetadata:
+        """Copy the step's prefix of the CPU buffers (the block table is the caller's) to the device and describe
+        it."""
         for buffer in (self.input_ids, self.positions, self.slot_mapping):
             buffer.copy_to_device(num_tokens)
         self.query_start_loc.copy_to_device(num_reqs + 1)
         self.seq_lens.copy_to_device(num_reqs)
-        max_blocks = int(batch.block_table.num_blocks[:num_reqs].max())
-        self.block_table[:num_reqs, :max_blocks].copy_(
-            torch.from_numpy(batch.block_table.table[:num_reqs, :max_blocks]), non_blocking=True)
-
-        common = CommonAttentionMetadata(
+        return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc.gpu[: num_reqs + 1],
             query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
             seq_lens=self.seq_lens.gpu[:num_reqs],
@@ -103,10 +110,9 @@ class InputBuffersMixin:
             slot_mapping=self.slot_mapping.gpu[:num_tokens],
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
         )
-        return common, num_tokens, sampling_rows, logits_indices
 
     def _pad_inputs(self, num_tokens: int, num_tokens_padded: int) -> None:
         """Padding rows after the scheduled tokens: token 0 at position 0, no KV cache slot (-1 writes nothing).

@@ -9,6 +9,8 @@ sort over the vocabulary), penalties, and vLLM's default maximum of logprobs.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -30,15 +32,14 @@ class ProfileRunMixin(InputBuffersMixin):
     sampler: Sampler
     dtype: torch.dtype
     max_model_len: int
+    attention_layers: Callable[[], list[torch.nn.Module]]
 
     @torch.inference_mode()
     def profile_run(self) -> int:
         """The max-size forward and sampler step; returns the bytes of the scratch KV cache it held (the caller's
         peak includes them, an activation peak must not)."""
-        from runner.layers.attention import Attention
-
         assert self.model is not None, "load_model first"
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        layers = self.attention_layers()
         assert all(layer.kv_cache.numel() == 0 for layer in layers), "the profile run comes before the KV cache"
         common, num_tokens = self._prepare_profile_inputs(self.max_num_tokens)
         scratch = {}
@@ -76,23 +77,8 @@ class ProfileRunMixin(InputBuffersMixin):
         self.query_start_loc.np[0] = 0
         self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
         self.seq_lens.np[:num_reqs] = self.max_model_len
-        for buffer in (self.input_ids, self.positions, self.slot_mapping):
-            buffer.copy_to_device(num_tokens)
-        self.query_start_loc.copy_to_device(num_reqs + 1)
-        self.seq_lens.copy_to_device(num_reqs)
         self.block_table[:num_reqs].copy_(torch.arange(self.max_blocks_per_req, dtype=torch.int32))
-        common = CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc.gpu[: num_reqs + 1],
-            query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
-            seq_lens=self.seq_lens.gpu[:num_reqs],
-            seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
-            block_table=self.block_table[:num_reqs],
-            slot_mapping=self.slot_mapping.gpu[:num_tokens],
-            num_reqs=num_reqs,
-            num_actual_tokens=num_tokens,
-            max_query_len=query_len,
-            max_seq_len=self.max_model_len,
-        )
+        common = self._common_metadata(num_reqs, num_tokens, self.max_blocks_per_req, query_len, self.max_model_len)
         return common, num_tokens
 
 

@@ -14,9 +14,9 @@ from cluster import LLM, SamplingParams
 from runner.attention import get_attn_backend
 from runner.attention.common import CommonAttentionMetadata
 from runner.attention.torch_backend import TorchAttentionBackend
-from tests.runner_steps import make_runner, model_parallel_of_one
+from tests.runner_steps import model_parallel_of_one
 from tests.test_attention_torch import make_common_metadata
-from tests.test_batch_padding import EagerGraphs, serve
+from tests.test_batch_padding import check_replay_path_samples_the_same
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -157,14 +157,5 @@ def test_engine_matches_torch_backend(llama_path: Path) -> None:
 @pytest.mark.usefixtures(model_parallel_of_one.__name__)
 def test_fixed_buffer_decode_replay_path_samples_the_same(llama_path: Path) -> None:
     """What a FULL CUDA graph of the triton backend replays (the runner's persistent buffers, padding requests with
-    seq_len 1 and slot -1), run eagerly: the same tokens and logits as the unpadded runner, and no padding write."""
-    settings = dict(attention_backend="triton", block_size=4, device=DEVICE)
-    expected_tokens, expected_logits = serve(make_runner(llama_path, **settings))
-    runner = make_runner(llama_path, cudagraph_capture_sizes=[4, 8], **settings)
-    graphs = EagerGraphs(runner)
-    runner.graph_runner = graphs  # type: ignore[assignment]
-    tokens, logits = serve(runner)
-    assert graphs.replayed == [4, 4, 4, 4]  # the decode steps of 2 requests, padded to 4
-    assert tokens == expected_tokens
-    for ours, reference in zip(logits, expected_logits):
-        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    seq_len 1 and slot -1, which writes nothing), run eagerly."""
+    check_replay_path_samples_the_same(llama_path, attention_backend="triton", block_size=4, device=DEVICE)

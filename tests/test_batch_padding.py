@@ -141,12 +141,11 @@ class EagerGraphs:
         return self.runner._decode_graph_forward(num_tokens)
 
 
-@pytest.mark.usefixtures(model_parallel_of_one.__name__)
-def test_fixed_buffer_decode_replay_path_samples_the_same(llama_path: Path) -> None:
-    settings = dict(attention_backend="torch", block_size=4)
+def check_replay_path_samples_the_same(llama_path: Path, **settings: Any) -> ModelRunner:
+    """A runner whose decode batches take the graph replay path (run eagerly) samples the tokens and logits of the
+    unpadded runner; returns it."""
     expected_tokens, expected_logits = serve(make_runner(llama_path, **settings))
     runner = make_runner(llama_path, cudagraph_capture_sizes=[4, 8], **settings)
-    assert runner.scratch_slot == 32 * 4  # the block past the scheduler's 32
     graphs = EagerGraphs(runner)
     runner.graph_runner = graphs  # type: ignore[assignment]
     tokens, logits = serve(runner)
@@ -154,3 +153,10 @@ def test_fixed_buffer_decode_replay_path_samples_the_same(llama_path: Path) -> N
     assert tokens == expected_tokens
     for ours, reference in zip(logits, expected_logits):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    return runner
+
+
+@pytest.mark.usefixtures(model_parallel_of_one.__name__)
+def test_fixed_buffer_decode_replay_path_samples_the_same(llama_path: Path) -> None:
+    runner = check_replay_path_samples_the_same(llama_path, attention_backend="torch", block_size=4)
+    assert runner.scratch_slot == 32 * 4  # the block past the scheduler's 32
