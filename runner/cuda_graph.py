@@ -1,7 +1,7 @@
 """FULL CUDA graphs of the model: one per padded batch size, captured largest first into one memory pool (the
 smaller graphs reuse the largest one's memory) after the KV cache is allocated, replayed on the runner's persistent
 buffers (input ids, positions, slot mapping, seq_lens, query_start_loc, block table) with attention reading only
-those (the backend's build_decode_graph: torch and triton have one)."""
+those (the backend's build_decode_graph: torch, triton and flash_attn have one)."""
 from __future__ import annotations
 
 from collections.abc import Callable

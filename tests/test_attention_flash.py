@@ -1,16 +1,23 @@
-"""The flash_attn backend: when it can run (selection and its reasons, on any machine) and, on CUDA with flash-attn
-installed, the same output as the torch backend on a mixed batch of prompts, chunks with context and decodes."""
+"""The flash_attn backend: when it can run (selection and its reasons, on any machine); its own logic (cache writes,
+metadata, the fixed-buffer decode a CUDA graph replays) on CPU over a plain-torch stand-in for flash-attn's two calls
+(tests/flash_attn_reference.py); and, on CUDA with flash-attn installed, the same output as the torch backend on a mixed
+batch of prompts, chunks with context and decodes."""
 from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
+import runner.attention
 from runner.attention import FlashAttentionBackend, TorchAttentionBackend, get_attn_backend
 from runner.attention.common import CommonAttentionMetadata
 from runner.attention.flash_attn_backend import unavailable_reason
+from tests import flash_attn_reference
+from tests.runner_steps import make_runner, model_parallel_of_one
+from tests.test_batch_padding import check_replay_path_samples_the_same, serve
 
 
 def test_reasons_name_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,6 +35,20 @@ def test_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     with pytest.raises(ValueError, match=r"flash-attn package does not import.*raylm\[flash\]"):
         get_attn_backend("flash_attn", "cuda", torch.bfloat16, 256)
+
+
+@pytest.mark.usefixtures(model_parallel_of_one.__name__)
+def test_replay_path_and_eager_steps_sample_as_the_torch_backend(llama_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the stand-in: the decode steps a FULL graph replays (flash_attn_with_kvcache on the persistent buffers,
+    padding requests to the scratch slot) and the eager steps (flash_attn_varlen_func) sample what the unpadded
+    runner and the torch backend sample, and write exactly the real tokens' slots."""
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_reference.as_module())
+    monkeypatch.setattr(runner.attention, "_flash_attn_unavailable", lambda *_: None)  # CPU, float32, block 4
+    flash = check_replay_path_samples_the_same(llama_path, attention_backend="flash_attn", block_size=4)
+    assert isinstance(flash.attn_backend, FlashAttentionBackend)
+    assert serve(make_runner(llama_path, attention_backend="flash_attn"))[0] == \
+        serve(make_runner(llama_path, attention_backend="torch"))[0]
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,9 +16,15 @@ from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_st
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CAPTURE_SIZES = [1, 2, 4, 8]
 SETTINGS = dict(max_num_seqs=8, num_blocks=256, device="cuda")
-# The backends with a fixed-buffer decode (build_decode_graph).
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed"))]
+# The backends with a fixed-buffer decode (build_decode_graph), with what each needs; flash_attn runs 16-bit only.
+BACKENDS = [
+    pytest.param("torch", {}, 1e-4, id="torch"),
+    pytest.param("triton", {}, 1e-4, id="triton", marks=pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="triton is not installed")),
+    pytest.param("flash_attn", {"dtype": "bfloat16", "block_size": 256}, 2e-2, id="flash_attn",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None,
+                                          reason="flash-attn is not installed")),
+]
 
 
 def serve(runner: ModelRunner, batch: int, steps: Steps) -> tuple[list[dict[str, list[int]]], list[torch.Tensor]]:
@@ -30,21 +37,23 @@ def serve(runner: ModelRunner, batch: int, steps: Steps) -> tuple[list[dict[str,
 
 
 @pytest.mark.usefixtures(model_parallel_of_one.__name__)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_graph_replay_equals_eager_on_every_capture_size(llama_path: Path, backend: str) -> None:
-    graphed = make_runner(llama_path, cudagraph_capture_sizes=CAPTURE_SIZES, attention_backend=backend, **SETTINGS)
+@pytest.mark.parametrize("backend, needs, tolerance", BACKENDS)
+def test_graph_replay_equals_eager_on_every_capture_size(llama_path: Path, backend: str, needs: dict[str, Any],
+                                                         tolerance: float) -> None:
+    settings = {**SETTINGS, **needs, "attention_backend": backend}
+    graphed = make_runner(llama_path, cudagraph_capture_sizes=CAPTURE_SIZES, **settings)
     assert graphed.capture_model() == len(CAPTURE_SIZES)
     assert graphed.graph_runner is not None
     replayed: list[int] = []
     replay = graphed.graph_runner.replay
     graphed.graph_runner.replay = lambda n: replayed.append(n) or replay(n)  # type: ignore[method-assign]
-    eager = make_runner(llama_path, enforce_eager=True, attention_backend=backend, **SETTINGS)
+    eager = make_runner(llama_path, enforce_eager=True, **settings)
     graphed_steps, eager_steps = Steps(graphed.block_size), Steps(eager.block_size)
     for batch in range(1, max(CAPTURE_SIZES) + 1):
         tokens, logits = serve(graphed, batch, graphed_steps)
         expected_tokens, expected_logits = serve(eager, batch, eager_steps)
         assert tokens == expected_tokens, f"batch of {batch}"
         for ours, reference in zip(logits, expected_logits):
-            torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(ours, reference, atol=tolerance, rtol=tolerance)
     # Every decode step replayed the graph of its batch size rounded up to a capture size.
     assert replayed == [size for batch in range(1, 9) for size in [min(s for s in CAPTURE_SIZES if s >= batch)] * 3]
