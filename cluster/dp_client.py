@@ -30,12 +30,8 @@ from cluster.request import Request
 from cluster.stats import SchedulerStats
 from configs import EngineConfig
 from configs.model_info import ModelInfo
-from executor.placement import (
-    bundle_node_ids,
-    initialize_ray_cluster,
-    reserve_dp_placement_groups,
-    resolve_device,
-)
+from executor.device import initialize_ray_cluster, resolve_device
+from executor.placement import bundle_node_ids, reserve_dp_placement_groups
 from executor.ray_executor import death_cause, get_all
 from runner.parallel_state import NO_DATA_PARALLEL, DataParallelInfo
 from worker.channel import DriverChannel, recv_frame, send_frame

@@ -20,7 +20,7 @@ from cluster.outputs import DPEngineDiedError, EngineSleepingError, RequestOutpu
 from cluster.request import Request
 from configs import EngineConfig, make_engine_config
 from configs.model_info import ModelInfo, read_model_info
-from executor.placement import decide_device
+from executor.device import decide_device
 from runner import tracing
 from runner.sampling_params import SamplingParams
 

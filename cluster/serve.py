@@ -24,7 +24,8 @@ from cluster.openai.metrics import PrometheusStatLogger
 from cluster.openai.router import EngineModelRouter
 from configs import EngineConfig, make_engine_config
 from executor.cluster_resources import ClusterCapacity, check_fits
-from executor.placement import describe_engine, engine_bundles, resolve_device, workers_on_ray
+from executor.device import resolve_device, workers_on_ray
+from executor.placement import describe_engine, engine_bundles
 
 # The engine batches and queues requests itself: Serve must not hold them back from a replica.
 _MAX_ONGOING_REQUESTS = 1_000_000

@@ -19,7 +19,8 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from executor.abstract import Executor
-from executor.placement import PlacementPlan, create_placement_plan, initialize_ray_cluster, resolve_device
+from executor.device import initialize_ray_cluster, resolve_device
+from executor.placement import PlacementPlan, create_placement_plan
 from executor.rpc import RpcClient, RpcFuture
 from runner.outputs import SchedulerOutput
 from runner.parallel_state import RankLayout

@@ -5,7 +5,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from cluster.tiny_model import make_tiny_model
@@ -36,7 +35,10 @@ def _cpu_kernels_back_on() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     """A local Ray for one test module, with more CPUs declared than the machine has: CPU workers share the cores
-    through torch's thread count. A module that needs other resources starts its own Ray instead."""
+    through torch's thread count. A module that needs other resources starts its own Ray instead. Ray is imported
+    here only, so that the GPU tests run where Ray is not installed."""
+    import ray
+
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=8, include_dashboard=False)

@@ -16,7 +16,7 @@ import torch
 import cluster.llm_engine
 from cluster.llm_engine import LLMEngine
 from configs import make_engine_config
-from executor.placement import decide_device
+from executor.device import decide_device
 
 
 @pytest.fixture(scope="module")
