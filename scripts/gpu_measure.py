@@ -1,0 +1,162 @@
+"""What scripts/gpu_check.py measures with: engines built and closed, greedy tokens, decode step time, a random
+Qwen2-shaped checkpoint, transformers' `generate` throughput, copy bandwidth, the result table. Everything but the
+copy bandwidth runs on CPU too, which is how tests/test_gpu_check.py keeps the script from rotting between GPU runs."""
+from __future__ import annotations
+
+import gc
+import itertools
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cluster import LLM
+from runner.sampling_params import SamplingParams
+
+Row = dict[str, Any]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+_ids = itertools.count()
+
+
+def add(rows: list[Row], section: str, metric: str, value: Any, target: str = "", ok: bool | None = None) -> None:
+    rows.append({"section": section, "metric": metric, "value": value, "target": target, "ok": ok})
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def make_llm(model: Path, **settings: Any) -> LLM:
+    settings = {"disable_log_stats": True, "gpu_memory_utilization": 0.4, **settings}
+    return LLM(model=str(model), **settings)
+
+
+def close(llm: LLM) -> None:
+    llm.shutdown()  # the in-process executor drops its model runner (weights, KV cache, graphs)
+    free_memory()
+
+
+def prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    """n prompts of low..high random token ids below `vocab` (the first ten left out: special tokens)."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(rng.randint(low, high))]} for _ in range(n)]
+
+
+def greedy_tokens(model: Path, batch: list[dict[str, list[int]]], **settings: Any) -> list[list[int]]:
+    llm = make_llm(model, **settings)
+    try:
+        return [out.outputs[0].token_ids for out in llm.generate(batch, GREEDY, use_tqdm=False)]
+    finally:
+        close(llm)
+
+
+def decode_ms(llm: LLM, batch: int, steps: int = 64, warmup: int = 8) -> float:
+    """Mean ms per decode step of `batch` running requests (8-token prompts), prefill excluded."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=steps + warmup + 8, ignore_eos=True)
+    ids = [f"decode-{next(_ids)}" for _ in range(batch)]
+    for rid, prompt in zip(ids, prompts(batch, 8, 8, engine.model_info.vocab_size, seed=batch)):
+        engine.add_request(rid, prompt, params, output_kind="final")
+    for _ in range(warmup):  # the prefill (one step at <= 2048 tokens) and a few decodes
+        engine.step()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    synchronize()
+    elapsed = time.perf_counter() - start
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed / steps * 1e3
+
+
+def build_random_qwen(out: Path, tokenizer_from: Path, device: str = "cuda", **shape: int) -> Path:
+    """A random Qwen2-0.5B-shaped checkpoint in bf16 (`shape` overrides its sizes), with `tokenizer_from`'s (smaller)
+    tokenizer; kept when `out` already holds one."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    if (out / "model.safetensors").is_file():
+        return out
+    sizes = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2, "vocab_size": 151936, **shape}
+    config = Qwen2Config(**sizes, max_position_embeddings=4096, tie_word_embeddings=True, dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, out / name)
+    del model
+    free_memory()
+    return out
+
+
+def transformers_generate(model_path: Path, batch: list[dict[str, list[int]]], max_new_tokens: int,
+                          device: str = "cuda") -> tuple[float, int]:
+    """transformers' greedy `generate` of the whole batch at once (left-padded, `max_new_tokens` each): output
+    tokens/s, and the model's weight bytes."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    longest = max(len(p["prompt_token_ids"]) for p in batch)
+    ids = torch.zeros(len(batch), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(batch):
+        tokens = p["prompt_token_ids"]
+        ids[i, longest - len(tokens):] = torch.tensor(tokens)
+        mask[i, longest - len(tokens):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    settings = {"do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        warm = min(8, longest)
+        model.generate(input_ids=ids[:4, -warm:], attention_mask=mask[:4, -warm:], max_new_tokens=4,
+                       min_new_tokens=4, **settings)
+        synchronize()
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, **settings)
+        synchronize()
+    tokens_per_s = (out.shape[1] - longest) * len(batch) / (time.perf_counter() - start)
+    del model, out
+    free_memory()
+    return tokens_per_s, weight_bytes
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of a 1 GiB tensor: bytes read + written per second, in GB/s."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del src, dst
+    free_memory()
+    return 2 * (1 << 30) * 20 / seconds / 1e9
+
+
+def format_table(rows: list[Row]) -> str:
+    """One aligned line per row under a header; the last column says PASS, FAIL or nothing (no target)."""
+    keys = ("section", "metric", "value", "target")
+    table = [{**{k: k for k in keys}, "ok": "ok"}, *rows]
+    widths = [max(len(str(r[k])) for r in table) for k in keys]
+    marks = {True: "PASS", False: "FAIL", None: ""}
+    return "\n".join(" | ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths)) + " | " + marks.get(r["ok"], r["ok"])
+                     for r in table)
