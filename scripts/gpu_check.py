@@ -2,7 +2,7 @@
 offline throughput against transformers, weight-read bandwidth at batch 1, sleep / wake-up. Each section records its
 error in the table and the script goes on; one table at the end (and as JSON with --output-json).
 
-    python scripts/gpu_check.py [--output-json gpu_check.json]
+    python scripts/gpu_check.py [--output-json gpu_check.json] [--sections 1 3]
 """
 from __future__ import annotations
 
@@ -192,6 +192,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-json", type=Path, default=None)
     parser.add_argument("--workdir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
+    parser.add_argument("--sections", type=int, nargs="+", choices=range(1, len(SECTIONS) + 1),
+                        default=list(range(1, len(SECTIONS) + 1)),
+                        help="which sections to run (default: all; 4 needs 3), e.g. to rerun only the failed ones")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to check.", file=sys.stderr)
@@ -200,8 +203,8 @@ def main() -> int:
     tiny = make_tiny_model(work / "tiny-llama", arch="llama", hidden_size=256, num_layers=4, num_heads=4,
                            num_kv_heads=2, intermediate_size=768, max_position_embeddings=1024)
     check = GpuCheck(tiny, work / "qwen2-0.5b-random")
-    for section, fn in SECTIONS:
-        run_section(check, section, fn)
+    for number in sorted(set(args.sections)):
+        run_section(check, *SECTIONS[number - 1])
     device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     print(f"\ngpu_check on {device}\n{format_table(check.rows)}")
     if args.output_json:

@@ -4,7 +4,7 @@
 # only pydantic and its three helpers: `wheels` downloads them here into .whl/ (ignored by git; ~3 MB, for the target's
 # Python), `run` installs them there and runs the GPU tests and scripts/gpu_check.py, writing to $OUT when it is set.
 #   here:  scripts/gpu_session.sh wheels [python-version, default 3.12]
-#   there: scripts/gpu_session.sh run      (carry .whl)
+#   there: scripts/gpu_session.sh run [gpu_check.py's arguments, e.g. --sections 3 4]   (carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
@@ -24,7 +24,7 @@ case "${1:-}" in
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph.py tests/test_attention_flash.py \
       tests/test_attention_triton.py 2>&1 | tee "$out/pytest-gpu.log"
     tests=${PIPESTATUS[0]}
-    timeout 480 python3 scripts/gpu_check.py --output-json "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log"
+    timeout 480 python3 scripts/gpu_check.py --output-json "$out/gpu_check.json" "${@:2}" 2>&1 | tee "$out/gpu_check.log"
     check=${PIPESTATUS[0]}
     echo "gpu tests exit $tests, gpu_check exit $check"
     [ "$tests" -eq 0 ] && [ "$check" -eq 0 ] ;;
