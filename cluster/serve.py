@@ -22,6 +22,7 @@ from cluster.default_model import served_model_name
 from cluster.openai.api_server import build_app as build_fastapi_app
 from cluster.openai.metrics import PrometheusStatLogger
 from cluster.openai.router import EngineModelRouter
+from cluster.ray_metrics import RayPrometheusStatLogger
 from configs import EngineConfig, make_engine_config
 from executor.cluster_resources import ClusterCapacity, check_fits
 from executor.device import resolve_device, workers_on_ray
@@ -43,12 +44,14 @@ SERVE_ENV_VARS = REPLICA_ENV_VARS | {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE
 @serve.ingress()
 class LLMServer:
     """One replica, one engine, the OpenAI app over it. /metrics answers from the replica that gets the request,
-    its series labelled with that replica's id."""
+    its series labelled with that replica's id; the same series go to Ray's metrics from every replica."""
 
     async def __init__(self, config: EngineConfig) -> None:
         replica = serve.get_replica_context().replica_id.unique_id
-        self.metrics = PrometheusStatLogger(served_model_name(config.model_config), config.cache_config, replica)
-        self.engine = AsyncLLM(config, stat_loggers=[self.metrics])
+        model_name = served_model_name(config.model_config)
+        self.metrics = PrometheusStatLogger(model_name, config.cache_config, replica)
+        ray_metrics = RayPrometheusStatLogger(model_name, config.cache_config, replica)
+        self.engine = AsyncLLM(config, stat_loggers=[self.metrics, ray_metrics])
         await self.engine.wait_until_ready()
         self.api_key = config.serving_config.api_key
 

@@ -33,13 +33,25 @@ def application() -> dict[str, Any]:
     return yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]
 
 
-@pytest.fixture(scope="module")
-def base_url(application: dict[str, Any], llama_path: Path) -> Iterator[str]:
+def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    # "local": a fresh Ray, never one that another process started on this machine.
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_metrics_port() -> int:
+    """Where this module's Ray exports its metrics (what a Prometheus scraping the node reads)."""
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def base_url(application: dict[str, Any], llama_path: Path, ray_metrics_port: int) -> Iterator[str]:
+    port = _free_port()
+    # "local": a fresh Ray, never one that another process started on this machine. Metrics are reported every
+    # 0.5 s instead of 10 s, so that the export test waits little.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _metrics_export_port=ray_metrics_port,
+             _system_config={"metrics_report_interval_ms": 500},
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
     try:
         start_serve("127.0.0.1", port)
@@ -176,6 +188,40 @@ def test_metrics_through_serve(base_url: str, llama_path: Path) -> None:
     # The replica that answered labels its series with its id.
     replicas = {labels["replica"] for label_sets in samples.values() for labels in label_sets}
     assert len(replicas) == 1 and replicas <= _running_replica_ids(f"LLMServer:{llama_path.name}")
+
+
+def _generated_by_replica(url: str, name: str) -> dict[str, float]:
+    """Replica id -> the value of counter `name` (summed over its other labels) in the Prometheus text at `url`."""
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        families = text_string_to_metric_families(answer.read().decode())
+        totals: dict[str, float] = {}
+        for sample in (sample for family in families for sample in family.samples if sample.name == name):
+            totals[sample.labels["replica"]] = totals.get(sample.labels["replica"], 0.0) + sample.value
+    return totals
+
+
+def test_metrics_exported_through_ray(base_url: str, llama_path: Path, ray_metrics_port: int) -> None:
+    """A replica's series reach Ray's metrics export (the node's Prometheus endpoint), renamed ray_vllm_*, with the
+    values its own /metrics shows."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    client.completions.create(model=llama_path.name, prompt="Exported through Ray", max_tokens=3,
+                              extra_body={"ignore_eos": True})
+    own = _generated_by_replica(base_url.removesuffix("/v1") + "/metrics", "vllm:generation_tokens_total")
+    (replica, generated), = own.items()
+    assert generated >= 3
+    ray_url = f"http://127.0.0.1:{ray_metrics_port}/metrics"
+    deadline, exported = time.monotonic() + 60, {}
+    while time.monotonic() < deadline and exported.get(replica) != generated:  # Ray reports every 0.5 s here
+        time.sleep(0.5)
+        exported = _generated_by_replica(ray_url, "ray_vllm_generation_tokens_total")
+    assert exported.get(replica) == generated, exported
+    with urllib.request.urlopen(ray_url, timeout=30) as answer:
+        names = {sample.name for family in text_string_to_metric_families(answer.read().decode())
+                 for sample in family.samples}
+    for name in ("ray_vllm_prompt_tokens_total", "ray_vllm_num_requests_running", "ray_vllm_kv_cache_usage_perc",
+                 "ray_vllm_time_to_first_token_seconds_count", "ray_vllm_request_success_total",
+                 "ray_vllm_cache_config_info"):
+        assert name in names, name
 
 
 def _running_replica_ids(deployment: str) -> set[str]:

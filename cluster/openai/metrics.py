@@ -3,6 +3,8 @@ queries work unchanged), each series labelled with model_name and engine (and re
 replica answers /metrics from its own registry). One registry per app."""
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from cluster.stats import IterationStats, SchedulerStats
@@ -24,14 +26,14 @@ class PrometheusStatLogger:
         self.constant_labels = {"model_name": model_name} | ({"replica": replica} if replica else {})
         labels = [*self.constant_labels, "engine"]  # engine: the data-parallel engine index, as vLLM labels it
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry)
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return self._gauge(name, doc, [*labels, *extra])
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=self.registry)
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return self._counter(name, doc, [*labels, *extra])
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return self._histogram(name, doc, labels, buckets)
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
@@ -42,10 +44,10 @@ class PrometheusStatLogger:
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("vllm:num_preemptions", "Requests preempted (their KV blocks freed).")
-        self.request_success = Counter("vllm:request_success", "Finished requests, by finish reason.",
-                                       [*labels, "finished_reason"], registry=self.registry)
-        self.cache_config_info = Gauge("vllm:cache_config_info", "The KV cache settings, as labels.",
-                                       [*labels, *CacheConfig.model_fields], registry=self.registry)
+        self.request_success = counter("vllm:request_success", "Finished requests, by finish reason.",
+                                       ("finished_reason",))
+        self.cache_config_info = gauge("vllm:cache_config_info", "The KV cache settings, as labels.",
+                                       tuple(CacheConfig.model_fields))
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Time to the first token.",
                                              _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
@@ -68,6 +70,16 @@ class PrometheusStatLogger:
                                           _TOKEN_COUNT_BUCKETS)
         self._last_stats: dict[int, SchedulerStats] = {}
         self._add_engine(0)
+
+    # How each kind of metric is made: prometheus_client's, in this app's registry (RayPrometheusStatLogger: Ray's).
+    def _gauge(self, name: str, doc: str, labels: list[str]) -> Any:
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels: list[str]) -> Any:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Any:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
     def _add_engine(self, engine_index: int) -> None:
         """Series that show from the start: every finish reason at 0 (so rates over it are defined before the
