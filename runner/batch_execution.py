@@ -25,9 +25,10 @@ from runner.dp_utils import coordinate_batch_across_dp
 from runner.forward_context import set_forward_context
 from runner.group_coordinator import GroupCoordinator
 from runner.input_buffers import InputBuffersMixin
+from runner.layers.fused_moe import grouped_mm_without_host_sync
 from runner.logger import show_info
 from runner.outputs import IntermediateTensors
-from runner.parallel_state import get_pp_group
+from runner.parallel_state import get_ep_group, get_pp_group
 from runner.ubatch_splitting import (
     UBatchSlice,
     check_ubatch_thresholds,
@@ -67,9 +68,13 @@ class BatchExecutionMixin(InputBuffersMixin):
 
     def _why_no_full_graphs(self) -> str | None:
         """Why this model cannot replay as one captured graph (None: it can). On CPU nothing is captured: FULL only
-        pads there (so tests run the padding paths), whatever the attention backend."""
-        if self.model_info.is_moe:
-            return "a MoE layer reads expert counts to the host"
+        pads there (so tests run the padding paths), whatever the attention backend or the experts' matmul."""
+        if self.model_info.is_moe and get_ep_group().world_size > 1:
+            return "expert parallel's all_to_all reads the token counts to the host"
+        if self.model_info.is_moe and self.device.type == "cuda":
+            reason = grouped_mm_without_host_sync(self.device, self.dtype)
+            if reason is not None:
+                return reason
         if self.config.parallel_config.pipeline_parallel_size > 1:
             return "pipeline stages exchange tensors between forwards"
         if self.device.type == "cuda" and self.attn_backend.cudagraph_support == AttentionCGSupport.NEVER:

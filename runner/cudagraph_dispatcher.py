@@ -50,8 +50,9 @@ def resolve_cudagraph_mode(compilation: CompilationConfig, device_type: str) -> 
 class CudagraphDispatcher:
     def __init__(self, compilation: CompilationConfig, scheduler: SchedulerConfig, device_type: str,
                  allow_full: bool = True) -> None:
-        """`allow_full` False: the model cannot run as one captured graph (a MoE layer reads expert counts back to
-        the host, pipeline stages exchange tensors): uniform decode batches fall back to the mixed batches' mode."""
+        """`allow_full` False: the model cannot run as one captured graph (expert parallel or a per-expert matmul
+        fallback reads counts back to the host, pipeline stages exchange tensors): uniform decode batches fall back to
+        the mixed batches' mode."""
         self.mode_name = resolve_cudagraph_mode(compilation, device_type)
         mixed, decode = _MODES[self.mode_name]
         if not allow_full and decode == CUDAGraphMode.FULL:

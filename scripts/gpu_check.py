@@ -45,11 +45,13 @@ from scripts.gpu_measure import (  # noqa: E402
 DECODE_BATCHES = (1, 8, 64, 256)
 # flash-attn runs 16-bit with pages of 256 tokens; the other backends are checked in float32 (exact comparisons).
 FLASH = {"attention_backend": "flash_attn", "dtype": "bfloat16", "block_size": 256}
+MOE = {"attention_backend": "torch", "dtype": "bfloat16"}  # bfloat16: the experts' one-kernel grouped matmul
 
 
 @dataclass
 class GpuCheck:
     tiny: Path  # a 4-layer llama for exactness and step times
+    moe: Path  # a 2-layer Mixtral (8 experts, top-2) for the experts' grouped matmul inside graphs
     qwen: Path  # where the random Qwen2-0.5B-shaped checkpoint goes
     rows: list[Row] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)  # section 3's figures for section 4
@@ -78,9 +80,11 @@ def check_backends(check: GpuCheck) -> None:
                    {**FLASH, "enforce_eager": mode == "eager"}) for mode in ("eager", "graphs")]
     else:
         add(check.rows, "1 backends", "flash_attn", "not installed (skipped)")
+    moe_eager = greedy_tokens(check.moe, batch, **MOE, enforce_eager=True, **base)
+    cases.append(("mixtral graphs vs eager, bf16 (grouped matmul)", moe_eager, MOE))
     for name, ref, settings in cases:
         try:
-            got = greedy_tokens(check.tiny, batch, **base, **settings)
+            got = greedy_tokens(check.moe if settings is MOE else check.tiny, batch, **base, **settings)
             same = sum(a == b for a, b in zip(got, ref))
             add(check.rows, "1 backends", name, f"{same}/{len(ref)} prompts identical", "all", same == len(ref))
         except Exception as err:  # noqa: BLE001 - one failing backend, the others still run
@@ -90,15 +94,16 @@ def check_backends(check: GpuCheck) -> None:
 
 def check_decode_steps(check: GpuCheck) -> None:
     """ms per decode step at each batch size, eager and with graphs, for every installed backend."""
-    backends = [("torch", {"attention_backend": "torch", "dtype": "float32"})]
+    backends = [("torch", check.tiny, {"attention_backend": "torch", "dtype": "float32"})]
     if installed("triton"):
-        backends.append(("triton", {"attention_backend": "triton", "dtype": "float32"}))
+        backends.append(("triton", check.tiny, {"attention_backend": "triton", "dtype": "float32"}))
     if installed("flash_attn"):
-        backends.append(("flash_attn", FLASH))
-    for name, settings in backends:
+        backends.append(("flash_attn", check.tiny, FLASH))
+    backends.append(("mixtral (torch attention, bf16)", check.moe, MOE))
+    for name, model, settings in backends:
         times: dict[str, dict[int, float]] = {}
         for mode in ("eager", "graphs"):
-            llm = make_llm(check.tiny, enforce_eager=mode == "eager", max_model_len=256,
+            llm = make_llm(model, enforce_eager=mode == "eager", max_model_len=256,
                            max_num_seqs=max(DECODE_BATCHES), **settings)
             try:
                 times[mode] = {b: decode_ms(llm, b) for b in DECODE_BATCHES}
@@ -202,7 +207,10 @@ def main() -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="raylm-gpu-check-"))
     tiny = make_tiny_model(work / "tiny-llama", arch="llama", hidden_size=256, num_layers=4, num_heads=4,
                            num_kv_heads=2, intermediate_size=768, max_position_embeddings=1024)
-    check = GpuCheck(tiny, work / "qwen2-0.5b-random")
+    moe = make_tiny_model(work / "tiny-mixtral", arch="mixtral", hidden_size=256, num_layers=2, num_heads=4,
+                          num_kv_heads=2, intermediate_size=512, num_experts=8, num_experts_per_tok=2,
+                          max_position_embeddings=1024)
+    check = GpuCheck(tiny, moe, work / "qwen2-0.5b-random")
     for number in sorted(set(args.sections)):
         run_section(check, *SECTIONS[number - 1])
     device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"

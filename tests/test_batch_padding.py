@@ -160,3 +160,11 @@ def check_replay_path_samples_the_same(llama_path: Path, **settings: Any) -> Mod
 def test_fixed_buffer_decode_replay_path_samples_the_same(llama_path: Path) -> None:
     runner = check_replay_path_samples_the_same(llama_path, attention_backend="torch", block_size=4)
     assert runner.scratch_slot == 32 * 4  # the block past the scheduler's 32
+
+
+@pytest.mark.usefixtures(model_parallel_of_one.__name__)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_replay_path_samples_the_same(moe_checkpoints: dict[str, Path], arch: str) -> None:
+    """A MoE model's decode graph body (the experts' grouped matmul on device-side row ranges, padding tokens routed
+    like any other) samples what the unpadded runner samples."""
+    check_replay_path_samples_the_same(moe_checkpoints[arch], attention_backend="torch", block_size=4)

@@ -36,18 +36,14 @@ def serve(runner: ModelRunner, batch: int, steps: Steps) -> tuple[list[dict[str,
     return [tokens for tokens, _ in results], [logits for _, logits in results]
 
 
-@pytest.mark.usefixtures(model_parallel_of_one.__name__)
-@pytest.mark.parametrize("backend, needs, tolerance", BACKENDS)
-def test_graph_replay_equals_eager_on_every_capture_size(llama_path: Path, backend: str, needs: dict[str, Any],
-                                                         tolerance: float) -> None:
-    settings = {**SETTINGS, **needs, "attention_backend": backend}
-    graphed = make_runner(llama_path, cudagraph_capture_sizes=CAPTURE_SIZES, **settings)
+def check_replay_equals_eager(model: Path, tolerance: float, **settings: Any) -> None:
+    graphed = make_runner(model, cudagraph_capture_sizes=CAPTURE_SIZES, **SETTINGS, **settings)
     assert graphed.capture_model() == len(CAPTURE_SIZES)
     assert graphed.graph_runner is not None
     replayed: list[int] = []
     replay = graphed.graph_runner.replay
     graphed.graph_runner.replay = lambda n: replayed.append(n) or replay(n)  # type: ignore[method-assign]
-    eager = make_runner(llama_path, enforce_eager=True, **settings)
+    eager = make_runner(model, enforce_eager=True, **SETTINGS, **settings)
     graphed_steps, eager_steps = Steps(graphed.block_size), Steps(eager.block_size)
     for batch in range(1, max(CAPTURE_SIZES) + 1):
         tokens, logits = serve(graphed, batch, graphed_steps)
@@ -57,3 +53,18 @@ def test_graph_replay_equals_eager_on_every_capture_size(llama_path: Path, backe
             torch.testing.assert_close(ours, reference, atol=tolerance, rtol=tolerance)
     # Every decode step replayed the graph of its batch size rounded up to a capture size.
     assert replayed == [size for batch in range(1, 9) for size in [min(s for s in CAPTURE_SIZES if s >= batch)] * 3]
+
+
+@pytest.mark.usefixtures(model_parallel_of_one.__name__)
+@pytest.mark.parametrize("backend, needs, tolerance", BACKENDS)
+def test_graph_replay_equals_eager_on_every_capture_size(llama_path: Path, backend: str, needs: dict[str, Any],
+                                                         tolerance: float) -> None:
+    check_replay_equals_eager(llama_path, tolerance, attention_backend=backend, **needs)
+
+
+@pytest.mark.usefixtures(model_parallel_of_one.__name__)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
+                    reason="the experts' grouped matmul is one kernel on compute capability 9.x / 10.x only")
+def test_moe_graph_replay_equals_eager(moe_checkpoints: dict[str, Path]) -> None:
+    """The experts' grouped matmul inside a captured graph (bfloat16: its one-kernel path)."""
+    check_replay_equals_eager(moe_checkpoints["mixtral"], 2e-2, attention_backend="torch", dtype="bfloat16")

@@ -80,7 +80,8 @@ def test_custom_sizes_and_modes() -> None:
 
 
 def test_models_without_full_graphs() -> None:
-    """MoE models (expert counts read to the host) and pipeline stages: no FULL, the mixed batches' mode instead."""
+    """Models that read back to the host mid-forward (MoE under expert parallel, pipeline stages): no FULL, the mixed
+    batches' mode instead."""
     assert dispatcher("cuda", allow_full=False).dispatch(3, True) == (NONE, 3)
     d = dispatcher("cuda", allow_full=False, cudagraph_mode="FULL_AND_PIECEWISE")
     assert d.dispatch(3, True) == (PIECEWISE, 4) and d.full_capture_sizes == []

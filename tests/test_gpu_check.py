@@ -24,12 +24,14 @@ def test_decode_ms_times_steps_and_leaves_the_engine_idle(llama_path: Path) -> N
         gpu_measure.close(llm)
 
 
-def test_backends_section_compares_greedy_tokens(llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backends_section_compares_greedy_tokens(llama_path: Path, moe_checkpoints: dict[str, Path],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu_check, "installed", lambda package: False)  # no triton or flash-attn run on CPU
-    check = gpu_check.GpuCheck(llama_path, llama_path.parent / "unused")
+    check = gpu_check.GpuCheck(llama_path, moe_checkpoints["mixtral"], llama_path.parent / "unused")
     gpu_check.run_section(check, "1 backends", gpu_check.check_backends)
     assert [(r["metric"], r["ok"]) for r in check.rows] == [
-        ("triton", None), ("flash_attn", None), ("torch graphs vs torch eager, fp32", True)]
+        ("triton", None), ("flash_attn", None), ("torch graphs vs torch eager, fp32", True),
+        ("mixtral graphs vs eager, bf16 (grouped matmul)", True)]
     assert check.rows[-1]["value"] == "8/8 prompts identical"
 
 
@@ -49,7 +51,7 @@ def test_random_qwen_runs_in_raylm_and_transformers(llama_path: Path, tmp_path: 
 
 
 def test_a_failing_section_is_a_failed_row_and_the_table_marks_it(llama_path: Path) -> None:
-    check = gpu_check.GpuCheck(llama_path, llama_path)
+    check = gpu_check.GpuCheck(llama_path, llama_path, llama_path)
     gpu_check.run_section(check, "4 bandwidth", gpu_check.check_bandwidth)  # section 3 never ran
     gpu_measure.add(check.rows, "2 decode step", "torch: graphs speed-up at batch 1", "2.50x", ">= 2x", True)
     assert check.rows[0]["ok"] is False and "needs section 3" in check.rows[0]["value"]

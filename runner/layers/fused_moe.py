@@ -40,20 +40,33 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 def grouped_expert_mlp(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        act_fn: nn.Module, row_index: torch.Tensor | None = None) -> torch.Tensor:
     """Row p of the result is expert `expert_ids[p]`'s MLP applied to `x[row_index[p]]` (row_index None: x[p]),
-    unweighted. The rows are sorted by expert, so each expert runs one matmul over all its rows."""
+    unweighted. The rows are sorted by expert and each projection is one grouped matmul over the experts' row ranges,
+    whose ends stay on the device: on CUDA in bfloat16 (Hopper, Blackwell) one kernel with no host sync, so a CUDA
+    graph can hold it; elsewhere torch runs one matmul per expert."""
     order = expert_ids.argsort(stable=True)
     sorted_rows = x[order if row_index is None else row_index[order]]
-    counts = torch.bincount(expert_ids, minlength=w13.shape[0]).tolist()
-    out_sorted = torch.empty_like(sorted_rows)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            rows = sorted_rows[start:start + count]
-            out_sorted[start:start + count] = F.linear(act_fn(F.linear(rows, w13[expert])), w2[expert])
-            start += count
+    # scatter_add rather than bincount, whose output size (the largest id) is read back to the host.
+    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int32))
+    ends = counts.cumsum(0, dtype=torch.int32)
+    hidden = F.grouped_mm(sorted_rows, w13.transpose(1, 2), offs=ends)  # weights [E, N, K] as column-major [E, K, N]
+    out_sorted = F.grouped_mm(act_fn(hidden), w2.transpose(1, 2), offs=ends)
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted
     return out
+
+
+def grouped_mm_without_host_sync(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why grouped_expert_mlp reads back to the host on `device` in `dtype` (None: it does not): torch's grouped
+    matmul kernel takes bfloat16 on CUDA devices of compute capability 9 and 10; its fallback copies the ends to
+    the host."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return f"the experts' grouped matmul runs as one kernel only in bfloat16 on CUDA (here: {device}, {dtype})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return (f"the experts' grouped matmul runs as one kernel on compute capability 9.x or 10.x (here: "
+                f"{major}.{minor})")
+    return None
 
 
 def token_slices(num_tokens: int, num_slices: int) -> list[int]:
