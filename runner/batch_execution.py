@@ -25,7 +25,7 @@ from runner.dp_utils import coordinate_batch_across_dp
 from runner.forward_context import set_forward_context
 from runner.group_coordinator import GroupCoordinator
 from runner.input_buffers import InputBuffersMixin
-from runner.layers.fused_moe import grouped_mm_without_host_sync
+from runner.layers.fused_moe import why_grouped_mm_syncs
 from runner.logger import show_info
 from runner.outputs import IntermediateTensors
 from runner.parallel_state import get_ep_group, get_pp_group
@@ -72,7 +72,7 @@ class BatchExecutionMixin(InputBuffersMixin):
         if self.model_info.is_moe and get_ep_group().world_size > 1:
             return "expert parallel's all_to_all reads the token counts to the host"
         if self.model_info.is_moe and self.device.type == "cuda":
-            reason = grouped_mm_without_host_sync(self.device, self.dtype)
+            reason = why_grouped_mm_syncs(self.device, self.dtype)
             if reason is not None:
                 return reason
         if self.config.parallel_config.pipeline_parallel_size > 1:

@@ -16,7 +16,7 @@ from torch import nn
 
 from cluster import LLM, SamplingParams
 from runner.distributed import combine_topk, get_all2all_manager
-from runner.layers.fused_moe import FusedMoE, grouped_expert_mlp, grouped_mm_without_host_sync, select_experts
+from runner.layers.fused_moe import FusedMoE, grouped_expert_mlp, select_experts, why_grouped_mm_syncs
 from runner.models.loader import load_model
 from runner.parallel_state import (
     destroy_model_parallel,
@@ -260,8 +260,8 @@ def test_grouped_matmul_is_graph_safe_only_on_its_kernel(monkeypatch: pytest.Mon
     """Where torch's grouped matmul falls back to a matmul per expert (reading the row ranges on the host), MoE
     models run without FULL CUDA graphs, and the log says why."""
     cuda = torch.device("cuda")
-    assert "bfloat16 on CUDA (here: cpu" in grouped_mm_without_host_sync(torch.device("cpu"), torch.bfloat16)
-    assert "(here: cuda, torch.float16)" in grouped_mm_without_host_sync(cuda, torch.float16)
+    assert "bfloat16 on CUDA (here: cpu" in why_grouped_mm_syncs(torch.device("cpu"), torch.bfloat16)
+    assert "(here: cuda, torch.float16)" in why_grouped_mm_syncs(cuda, torch.float16)
     for capability, graph_safe in (((8, 0), False), ((9, 0), True), ((10, 0), True), ((12, 0), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
-        assert (grouped_mm_without_host_sync(cuda, torch.bfloat16) is None) == graph_safe, capability
+        assert (why_grouped_mm_syncs(cuda, torch.bfloat16) is None) == graph_safe, capability

@@ -56,7 +56,7 @@ def grouped_expert_mlp(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Ten
     return out
 
 
-def grouped_mm_without_host_sync(device: torch.device, dtype: torch.dtype) -> str | None:
+def why_grouped_mm_syncs(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why grouped_expert_mlp reads back to the host on `device` in `dtype` (None: it does not): torch's grouped
     matmul kernel takes bfloat16 on CUDA devices of compute capability 9 and 10; its fallback copies the ends to
     the host."""
