@@ -65,10 +65,10 @@ def check_backends(check: GpuCheck) -> None:
     """Greedy tokens of 8 prompts from every backend, eager and with graphs, against the torch backend eager."""
     batch, base = prompts(8, 5, 60, vocab_size(check.tiny)), {"max_model_len": 512}
     ref32 = greedy_tokens(check.tiny, batch, attention_backend="torch", enforce_eager=True, dtype="float32", **base)
-    cases: list[tuple[str, list[list[int]], dict[str, Any]]] = [
-        ("torch graphs vs torch eager, fp32", ref32, {"attention_backend": "torch", "dtype": "float32"})]
+    cases: list[tuple[str, Path, list[list[int]], dict[str, Any]]] = [
+        ("torch graphs vs torch eager, fp32", check.tiny, ref32, {"attention_backend": "torch", "dtype": "float32"})]
     if installed("triton"):
-        cases += [(f"triton {mode} vs torch eager, fp32", ref32,
+        cases += [(f"triton {mode} vs torch eager, fp32", check.tiny, ref32,
                    {"attention_backend": "triton", "enforce_eager": mode == "eager", "dtype": "float32"})
                   for mode in ("eager", "graphs")]
     else:
@@ -76,15 +76,15 @@ def check_backends(check: GpuCheck) -> None:
     if installed("flash_attn"):
         ref16 = greedy_tokens(check.tiny, batch, **{**FLASH, "attention_backend": "torch"}, enforce_eager=True,
                               **base)
-        cases += [(f"flash_attn {mode} vs torch eager, bf16, block 256", ref16,
+        cases += [(f"flash_attn {mode} vs torch eager, bf16, block 256", check.tiny, ref16,
                    {**FLASH, "enforce_eager": mode == "eager"}) for mode in ("eager", "graphs")]
     else:
         add(check.rows, "1 backends", "flash_attn", "not installed (skipped)")
     moe_eager = greedy_tokens(check.moe, batch, **MOE, enforce_eager=True, **base)
-    cases.append(("mixtral graphs vs eager, bf16 (grouped matmul)", moe_eager, MOE))
-    for name, ref, settings in cases:
+    cases.append(("mixtral graphs vs eager, bf16 (grouped matmul)", check.moe, moe_eager, MOE))
+    for name, model, ref, settings in cases:
         try:
-            got = greedy_tokens(check.moe if settings is MOE else check.tiny, batch, **base, **settings)
+            got = greedy_tokens(model, batch, **base, **settings)
             same = sum(a == b for a, b in zip(got, ref))
             add(check.rows, "1 backends", name, f"{same}/{len(ref)} prompts identical", "all", same == len(ref))
         except Exception as err:  # noqa: BLE001 - one failing backend, the others still run

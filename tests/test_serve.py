@@ -162,14 +162,18 @@ def test_tp2_replica_runs_in_the_placement_group_serve_creates(base_url: str, ll
         serve.delete("tp2")
 
 
+def _samples(url: str) -> list[Any]:
+    """Every sample of the Prometheus text at `url`."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
 def _metric_labels(base_url: str) -> dict[str, list[dict[str, str]]]:
     """Sample name -> the label sets it has, from GET /metrics beside the /v1 routes."""
-    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30) as response:
-        text = response.read().decode()
     samples: dict[str, list[dict[str, str]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append(sample.labels)
+    for sample in _samples(base_url.removesuffix("/v1") + "/metrics"):
+        samples.setdefault(sample.name, []).append(sample.labels)
     return samples
 
 
@@ -190,12 +194,11 @@ def test_metrics_through_serve(base_url: str, llama_path: Path) -> None:
     assert len(replicas) == 1 and replicas <= _running_replica_ids(f"LLMServer:{llama_path.name}")
 
 
-def _generated_by_replica(url: str, name: str) -> dict[str, float]:
-    """Replica id -> the value of counter `name` (summed over its other labels) in the Prometheus text at `url`."""
-    with urllib.request.urlopen(url, timeout=30) as answer:
-        families = text_string_to_metric_families(answer.read().decode())
-        totals: dict[str, float] = {}
-        for sample in (sample for family in families for sample in family.samples if sample.name == name):
+def _counter_by_replica(url: str, name: str) -> dict[str, float]:
+    """Replica id -> the value of counter `name` (summed over its other labels) at `url`."""
+    totals: dict[str, float] = {}
+    for sample in _samples(url):
+        if sample.name == name:
             totals[sample.labels["replica"]] = totals.get(sample.labels["replica"], 0.0) + sample.value
     return totals
 
@@ -206,18 +209,16 @@ def test_metrics_exported_through_ray(base_url: str, llama_path: Path, ray_metri
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
     client.completions.create(model=llama_path.name, prompt="Exported through Ray", max_tokens=3,
                               extra_body={"ignore_eos": True})
-    own = _generated_by_replica(base_url.removesuffix("/v1") + "/metrics", "vllm:generation_tokens_total")
+    own = _counter_by_replica(base_url.removesuffix("/v1") + "/metrics", "vllm:generation_tokens_total")
     (replica, generated), = own.items()
     assert generated >= 3
     ray_url = f"http://127.0.0.1:{ray_metrics_port}/metrics"
     deadline, exported = time.monotonic() + 60, {}
     while time.monotonic() < deadline and exported.get(replica) != generated:  # Ray reports every 0.5 s here
         time.sleep(0.5)
-        exported = _generated_by_replica(ray_url, "ray_vllm_generation_tokens_total")
+        exported = _counter_by_replica(ray_url, "ray_vllm_generation_tokens_total")
     assert exported.get(replica) == generated, exported
-    with urllib.request.urlopen(ray_url, timeout=30) as answer:
-        names = {sample.name for family in text_string_to_metric_families(answer.read().decode())
-                 for sample in family.samples}
+    names = {sample.name for sample in _samples(ray_url)}
     for name in ("ray_vllm_prompt_tokens_total", "ray_vllm_num_requests_running", "ray_vllm_kv_cache_usage_perc",
                  "ray_vllm_time_to_first_token_seconds_count", "ray_vllm_request_success_total",
                  "ray_vllm_cache_config_info"):
