@@ -90,3 +90,54 @@ def test_a_shape_whose_plan_never_uses_onednn_drops_its_packed_copy(gemm_cache: 
         layer.process_weights_after_loading()
     plan_linears(model)
     assert all(layer.packed_weight is None and layer.gemm_plan is not None for layer in model)
+
+
+@pytest.fixture
+def no_bf16_packing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's bfloat16 packing forced unavailable, as on an AVX2-only CPU, whatever this CPU has."""
+    real = cpu_gemm.onednn_packs
+    monkeypatch.setattr(cpu_gemm, "onednn_packs", lambda dtype: dtype != torch.bfloat16 and real(dtype))
+
+
+def test_bf16_packing_follows_what_onednn_reports() -> None:
+    assert cpu_gemm.onednn_packs(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_gemm.onednn_packs(torch.float32)
+    assert not cpu_gemm.onednn_packs(torch.float16)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_without_packing_runs_sgemm_on_a_float32_copy(no_bf16_packing: None, bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = LinearBase(96, 80, bias=bias).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    if bias:
+        layer.bias.data.normal_()
+    layer.process_weights_after_loading()
+    assert layer.packed_weight is None and layer.kernel_name() == "sgemm_fp32"
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        expected = F.linear(x.float(), layer.weight.float(), layer.bias.float() if bias else None).bfloat16()
+        got = layer.matmul(x, layer.bias)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_bf16_model_loads_and_generates_without_packing(no_bf16_packing: None, llama_path: Path, gemm_cache: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """What failed on AVX2-only CPUs: a bfloat16 model's load packed its first linear. Now it generates, and its greedy
+    tokens follow transformers' float32 ones under the oracle's top-5 rule."""
+    from cluster import LLM, SamplingParams
+    from tests.reference import check_logprobs_close, hf_greedy
+
+    prompts = [[5, 17, 42, 99, 3], [7, 8, 9], list(range(20, 60))]
+    with caplog.at_level("INFO", logger=cpu_gemm.logger.name):
+        llm = LLM(model=str(llama_path), dtype="bfloat16", disable_log_stats=True)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5),
+                               use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert "sgemm_fp32" in caplog.text and "bfloat16 weights upcast" in caplog.text
+    ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    check_logprobs_close(hf_greedy(llama_path, prompts, 8), ours, "bf16 without packing")

@@ -2,6 +2,9 @@
 
 Two kernels compute y = x W^T (+ b) in float32 accuracy: `sgemm`, torch's F.linear on the weight as stored (MKL's
 or OpenBLAS's sgemm), and `onednn`, oneDNN's matmul on a copy of the weight reordered once into its blocked layout.
+oneDNN packs bfloat16 weights only on CPUs with the instructions its bf16 kernels need (AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT; torch asks oneDNN); elsewhere a bfloat16 layer keeps a float32 copy of its weight, upcast once, and
+runs `sgemm_fp32` (x upcast, sgemm, the result cast back), 3-5x torch's own bfloat16 linear on an AVX2-only CPU.
 Which one wins depends on the CPU, the shape and the rows of the batch: on one 2-core EPYC oneDNN ran 1.5-3x sgemm
 from 8 rows on the 107M model's shapes, yet lost to it by 2x on a 256 x 256 weight below 32 rows. So after loading,
 `plan_linears` gives every weight shape of the model a GemmPlan, one kernel per row bucket, by timing both kernels
@@ -67,23 +70,45 @@ class CpuGemmMixin:
     bias: torch.Tensor | None
     packed_weight: torch.Tensor | None = None  # oneDNN's copy, where the plan uses it
     gemm_plan: GemmPlan | None = None  # None until planned: onednn wherever a packed copy exists
+    upcast_weight: torch.Tensor | None = None  # float32 copy of a bfloat16 weight oneDNN cannot pack here
+    upcast_bias: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the weight for oneDNN (again after sleep mode's wake-up), unless its plan never uses oneDNN."""
+        """Pack the weight for oneDNN (again after sleep mode's wake-up), unless its plan never uses oneDNN; or
+        upcast a bfloat16 weight once where oneDNN cannot pack it."""
+        on_cpu = self.weight.device.type == "cpu"
+        if on_cpu and self.weight.dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16):
+            self.upcast_weight = self.weight.detach().float()
+            self.upcast_bias = None if self.bias is None else self.bias.detach().float()
+            return
         wanted = self.gemm_plan is None or any(self.gemm_plan.use_onednn)
-        self.packed_weight = pack_weight(self.weight) if wanted and can_pack(self.weight) else None
+        self.packed_weight = pack_weight(self.weight) if wanted and on_cpu and onednn_packs(self.weight.dtype) else None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T + bias, by the plan's kernel for x's rows; F.linear where nothing was packed (on a GPU: cuBLAS)."""
+        if self.upcast_weight is not None:
+            assert bias is None or bias is self.bias, "the upcast path adds the layer's own bias or none"
+            return F.linear(x.float(), self.upcast_weight, None if bias is None else self.upcast_bias).to(x.dtype)
         packed, plan = self.packed_weight, self.gemm_plan
         if packed is None or (plan is not None and not plan.onednn_for(x.shape[0])):
             return F.linear(x, self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
+    def kernel_name(self) -> str:
+        """The kernel this layer runs on CPU, for the start-up line."""
+        if self.upcast_weight is not None:
+            return "sgemm_fp32"
+        return "planned" if self.packed_weight is not None else "sgemm"
 
-def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack and run weights of `dtype` on this CPU: float32 wherever torch has oneDNN; bfloat16
+    only where oneDNN's own ISA check passes (torch reports it), since packing raises on other CPUs."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -99,6 +124,10 @@ def plan_linears(model: nn.Module) -> None:
         if isinstance(module, CpuGemmMixin) and module.packed_weight is not None:
             out_features, in_features = module.weight.shape
             layers.setdefault((out_features, in_features, module.bias is not None), []).append(module)
+    unplanned = sorted({m.kernel_name() for m in model.modules() if isinstance(m, CpuGemmMixin)} - {"planned"})
+    if unplanned:
+        show_info(logger)
+        logger.info("cpu linear kernels: %s%s", ", ".join(unplanned), _why_not_onednn(model))
     if not layers:
         return
     dtype, threads = next(iter(layers.values()))[0].weight.dtype, torch.get_num_threads()
@@ -128,6 +157,14 @@ def plan_linears(model: nn.Module) -> None:
     show_info(logger)
     logger.info("cpu linear kernels (%d threads): %s", threads,
                 "; ".join(f"{out_f}x{in_f}: {plans[(out_f, in_f, b)].describe()}" for out_f, in_f, b in shapes))
+
+
+def _why_not_onednn(model: nn.Module) -> str:
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, CpuGemmMixin)}
+    if torch.bfloat16 in dtypes and not onednn_packs(torch.bfloat16):
+        return (" (bfloat16 weights upcast to float32 once: oneDNN's bfloat16 kernels need AVX-512 BW/VL/DQ or "
+                f"AVX-NE-CONVERT, and this CPU has {torch.backends.cpu.get_cpu_capability()})")
+    return ""
 
 
 def time_kernels(layer: CpuGemmMixin) -> tuple[GemmPlan, dict[str, list[float]]]:
