@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from cluster.serve import build_openai_app, start_serve  # noqa: E402
-from cluster.serving_benchmark import random_prompts  # noqa: E402
-from configs import make_engine_config  # noqa: E402
+from raylm.cluster.serve import build_openai_app, start_serve  # noqa: E402
+from raylm.cluster.serving_benchmark import random_prompts  # noqa: E402
+from raylm.configs import make_engine_config  # noqa: E402
 
 COLUMNS = ("time_s", "clients", "in_flight", "replicas", "replicas_starting", "ttft_ms", "itl_ms", "output_tok_s")
 
@@ -155,7 +155,7 @@ def plot(rows: list[dict[str, float]], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", help="Ray cluster to deploy on (default: a new local Ray)")
-    parser.add_argument("--config", default="configs/tiny.yaml", help="engine settings YAML")
+    parser.add_argument("--config", default="raylm/configs/tiny.yaml", help="engine settings YAML")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-replicas", type=int, default=3)

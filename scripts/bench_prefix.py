@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster import LLM, SamplingParams  # noqa: E402
-from cluster.default_model import build_default_model  # noqa: E402
+from raylm.cluster import LLM, SamplingParams  # noqa: E402
+from raylm.cluster.default_model import build_default_model  # noqa: E402
 
 
 @dataclass

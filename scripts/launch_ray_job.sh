@@ -19,7 +19,7 @@ fi
 export RAY_USAGE_STATS_ENABLED=0
 # The entrypoint runs on the head node, from the shipped working dir: the `raylm` command where this environment
 # has it, else the module itself (any Python with raylm's dependencies).
-if command -v raylm >/dev/null 2>&1; then entrypoint=(raylm); else entrypoint=(python -m cluster.cli); fi
+if command -v raylm >/dev/null 2>&1; then entrypoint=(raylm); else entrypoint=(python -m raylm.cluster.cli); fi
 # Ray >= 2.5x starts clusters with token auth (~/.ray/auth_token); the job CLI must send the token too.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 port=${PORT:-8000}
@@ -34,7 +34,7 @@ job_id=raylm-$(date +%s)
 # Serve's graceful shutdown takes several seconds: give it more than Ray's default 3 s before SIGKILL.
 ray job submit --address "$dashboard" --submission-id "$job_id" --no-wait --working-dir . \
   --runtime-env-json '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"}}' \
-  -- "${entrypoint[@]}" serve --config configs/tiny.yaml --port "$port" "$@"
+  -- "${entrypoint[@]}" serve --config raylm/configs/tiny.yaml --port "$port" "$@"
 
 until curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; do
   case "$(ray job status --address "$dashboard" "$job_id" 2>/dev/null)" in

@@ -18,4 +18,4 @@ if ! command -v raylm >/dev/null 2>&1; then
   exit 1
 fi
 export RAY_USAGE_STATS_ENABLED=0
-exec raylm serve --config configs/tiny.yaml "$@"
+exec raylm serve --config raylm/configs/tiny.yaml "$@"

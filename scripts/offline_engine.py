@@ -20,7 +20,7 @@ PREFIX = "@@bench"
 
 def raylm_runner(spec: dict[str, Any]) -> Callable[[], int]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from cluster import LLM, SamplingParams
+    from raylm.cluster import LLM, SamplingParams
 
     llm = LLM(model=spec["model"], max_model_len=spec["max_model_len"], **spec["settings"])
     inputs = [{"prompt_token_ids": p} for p in spec["prompts"]]

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster import LLM, SamplingParams  # noqa: E402
-from cluster.detokenizer import IncrementalDetokenizer  # noqa: E402
-from runner import tracing  # noqa: E402
+from raylm.cluster import LLM, SamplingParams  # noqa: E402
+from raylm.cluster.detokenizer import IncrementalDetokenizer  # noqa: E402
+from raylm.common import tracing  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     PRESETS,
     decoder_linear_weights,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Ray Serve's own launcher on our Serve config file: `serve run` builds the app with cluster.serve:build_app
+# Ray Serve's own launcher on our Serve config file: `serve run` builds the app with raylm.cluster.serve:build_app
 # (on a local Ray, or $RAY_ADDRESS's cluster) and blocks until Ctrl-C. Related forms:
-#   serve deploy configs/serve-tiny.yaml                                  detached, on a running cluster
-#   ray job submit --working-dir . -- serve run configs/serve-tiny.yaml   as a Ray job
+#   serve deploy raylm/configs/serve-tiny.yaml                                  detached, on a running cluster
+#   ray job submit --working-dir . -- serve run raylm/configs/serve-tiny.yaml   as a Ray job
 # The API is then at http://127.0.0.1:8000/v1 (http_options in the YAML).
 # Needs Ray's `serve` command on PATH: an activated environment where raylm is installed, or the .venv that
 # scripts/bootstrap.sh makes.
@@ -16,4 +16,4 @@ if ! command -v serve >/dev/null 2>&1; then
   exit 1
 fi
 export RAY_USAGE_STATS_ENABLED=0
-exec serve run configs/serve-tiny.yaml
+exec serve run raylm/configs/serve-tiny.yaml

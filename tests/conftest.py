@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.tiny_model import make_tiny_model
-from runner import cpu_kernels
+from raylm.cluster.tiny_model import make_tiny_model
+from raylm.runner import cpu_kernels
 
 torch.set_num_threads(2)
 

@@ -15,9 +15,9 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.async_llm import AsyncLLM
-from cluster.openai.api_server import build_engine_app
-from configs import make_engine_config
+from raylm.cluster.async_llm import AsyncLLM
+from raylm.cluster.openai.api_server import build_engine_app
+from raylm.configs import make_engine_config
 
 MAX_MODEL_LEN = 256
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from configs import make_engine_config
-from configs.model_info import read_model_info
-from runner.model_runner import ModelRunner
-from runner.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from runner.parallel_state import destroy_model_parallel, init_model_parallel
-from runner.sampling_params import SamplingParams
+from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from raylm.common.sampling_params import SamplingParams
+from raylm.configs import make_engine_config
+from raylm.configs.model_info import read_model_info
+from raylm.runner.model_runner import ModelRunner
+from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
 
 RUNNER_DEFAULTS = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
 

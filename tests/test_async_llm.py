@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from cluster.async_llm import AsyncLLM, EngineDeadError
-from cluster.outputs import RequestOutput
-from configs import make_engine_config
-from runner.sampling_params import SamplingParams
+from raylm.cluster.async_llm import AsyncLLM, EngineDeadError
+from raylm.cluster.outputs import RequestOutput
+from raylm.common.sampling_params import SamplingParams
+from raylm.configs import make_engine_config
 
 
 def _async_llm(model: Path) -> AsyncLLM:

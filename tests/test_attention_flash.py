@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import runner.attention
-from runner.attention import FlashAttentionBackend, TorchAttentionBackend, get_attn_backend
-from runner.attention.common import CommonAttentionMetadata
-from runner.attention.flash_attn_backend import unavailable_reason
+import raylm.runner.attention
+from raylm.runner.attention import FlashAttentionBackend, TorchAttentionBackend, get_attn_backend
+from raylm.runner.attention.common import CommonAttentionMetadata
+from raylm.runner.attention.flash_attn_backend import unavailable_reason
 from tests import flash_attn_reference
 from tests.runner_steps import make_runner, model_parallel_of_one
 from tests.test_batch_padding import check_replay_path_samples_the_same, serve
@@ -44,7 +44,7 @@ def test_replay_path_and_eager_steps_sample_as_the_torch_backend(llama_path: Pat
     padding requests to the scratch slot) and the eager steps (flash_attn_varlen_func) sample what the unpadded
     runner and the torch backend sample, and write exactly the real tokens' slots."""
     monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_reference.as_module())
-    monkeypatch.setattr(runner.attention, "_flash_attn_unavailable", lambda *_: None)  # CPU, float32, block 4
+    monkeypatch.setattr(raylm.runner.attention, "_flash_attn_unavailable", lambda *_: None)  # CPU, float32, block 4
     flash = check_replay_path_samples_the_same(llama_path, attention_backend="flash_attn", block_size=4)
     assert isinstance(flash.attn_backend, FlashAttentionBackend)
     assert serve(make_runner(llama_path, attention_backend="flash_attn"))[0] == \

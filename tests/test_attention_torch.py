@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.attention import get_attn_backend
-from runner.attention.common import CommonAttentionMetadata
-from runner.attention.torch_backend import TorchAttentionBackend
+from raylm.runner.attention import get_attn_backend
+from raylm.runner.attention.common import CommonAttentionMetadata
+from raylm.runner.attention.torch_backend import TorchAttentionBackend
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 40
 

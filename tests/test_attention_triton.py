@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import LLM, SamplingParams
-from runner.attention import get_attn_backend
-from runner.attention.common import CommonAttentionMetadata
-from runner.attention.torch_backend import TorchAttentionBackend
+from raylm.cluster import LLM, SamplingParams
+from raylm.runner.attention import get_attn_backend
+from raylm.runner.attention.common import CommonAttentionMetadata
+from raylm.runner.attention.torch_backend import TorchAttentionBackend
 from tests.runner_steps import model_parallel_of_one
 from tests.test_attention_torch import make_common_metadata
 from tests.test_batch_padding import check_replay_path_samples_the_same
@@ -33,11 +33,11 @@ with pytest.MonkeyPatch.context() as _patch:
     if not ON_CUDA and not isinstance(triton.language.zeros, InterpretedFunction):
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this file alone or under "
                     "TRITON_INTERPRET=1", allow_module_level=True)
-    from runner.attention import triton_kernels
+    from raylm.runner.attention import triton_kernels
 
     if not ON_CUDA and not isinstance(triton_kernels.paged_attention, InterpretedFunction):  # imported earlier
         importlib.reload(triton_kernels)
-    from runner.attention.triton_backend import TritonAttentionBackend
+    from raylm.runner.attention.triton_backend import TritonAttentionBackend
 
 
 @pytest.fixture(scope="module", autouse=True)

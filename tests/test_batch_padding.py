@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from runner.attention import CPUAttentionBackend, TorchAttentionBackend
-from runner.attention.backend import AttentionBackend
-from runner.attention.common import DecodeGraphBuffers
-from runner.model_runner import ModelRunner
+from raylm.runner.attention import CPUAttentionBackend, TorchAttentionBackend
+from raylm.runner.attention.backend import AttentionBackend
+from raylm.runner.attention.common import DecodeGraphBuffers
+from raylm.runner.model_runner import ModelRunner
 from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_step
 from tests.test_attention_torch import make_common_metadata
 

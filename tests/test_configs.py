@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from configs import make_engine_config
-from runner.sampling_params import SamplingParams
+from raylm.common.sampling_params import SamplingParams
+from raylm.configs import make_engine_config
 
 
 def test_yaml_then_overrides(tmp_path: Path) -> None:
-    config = make_engine_config("configs/tiny.yaml", max_num_seqs=3)
+    config = make_engine_config("raylm/configs/tiny.yaml", max_num_seqs=3)
     assert config.scheduler_config.max_num_seqs == 3
     assert config.cache_config.block_size == 16
     assert config.parallel_config.distributed_executor_backend == "uni"

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner.layers import cpu_gemm
-from runner.layers.cpu_gemm import ROW_BUCKETS, CpuGemmMixin, GemmPlan, plan_linears
-from runner.layers.linear import LinearBase
-from runner.models.loader import load_model
-from runner.parallel_state import destroy_model_parallel, init_model_parallel
+from raylm.runner.layers import cpu_gemm
+from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, CpuGemmMixin, GemmPlan, plan_linears
+from raylm.runner.layers.linear import LinearBase
+from raylm.runner.models.loader import load_model
+from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -126,7 +126,7 @@ def test_a_bf16_model_loads_and_generates_without_packing(no_bf16_packing: None,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """What failed on AVX2-only CPUs: a bfloat16 model's load packed its first linear. Now it generates, and its greedy
     tokens follow transformers' float32 ones under the oracle's top-5 rule."""
-    from cluster import LLM, SamplingParams
+    from raylm.cluster import LLM, SamplingParams
     from tests.reference import check_logprobs_close, hf_greedy
 
     prompts = [[5, 17, 42, 99, 3], [7, 8, 9], list(range(20, 60))]

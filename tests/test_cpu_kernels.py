@@ -10,12 +10,12 @@ import pytest
 import torch
 from test_attention_torch import make_common_metadata
 
-from configs import make_engine_config
-from runner import cpu_kernels
-from runner.attention import CPUAttentionBackend, TorchAttentionBackend, get_attn_backend
-from runner.layers.activation import SiluAndMul
-from runner.layers.layernorm import RMSNorm
-from runner.layers.rotary_embedding import RotaryEmbedding, _default_inv_freq
+from raylm.configs import make_engine_config
+from raylm.runner import cpu_kernels
+from raylm.runner.attention import CPUAttentionBackend, TorchAttentionBackend, get_attn_backend
+from raylm.runner.layers.activation import SiluAndMul
+from raylm.runner.layers.layernorm import RMSNorm
+from raylm.runner.layers.rotary_embedding import RotaryEmbedding, _default_inv_freq
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="raylm's CPU kernels could not be built here")
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from runner.model_runner import ModelRunner
+from raylm.runner.model_runner import ModelRunner
 from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

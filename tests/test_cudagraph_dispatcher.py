@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from configs import make_engine_config
-from runner.batch_descriptor import CUDAGraphMode
-from runner.cudagraph_dispatcher import CudagraphDispatcher, default_capture_sizes
+from raylm.configs import make_engine_config
+from raylm.runner.batch_descriptor import CUDAGraphMode
+from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher, default_capture_sizes
 from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_step
 
 NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
@@ -113,7 +113,7 @@ def test_runner_detects_uniform_decode_and_pads(llama_path: Path, caplog: pytest
         return descriptors[-1]
 
     runner._determine_batch_execution_and_padding = record  # type: ignore[method-assign]
-    caplog.set_level(logging.INFO, logger="runner.batch_execution")
+    caplog.set_level(logging.INFO, logger="raylm.runner.batch_execution")
     steps = Steps()
     run_step(runner, steps.schedule({"a": [5, 6, 7, 8, 9], "b": [3, 4]}))  # 7 tokens: PIECEWISE, padded to 8
     run_step(runner, steps.schedule(decodes={"a": 1, "b": 1}))  # 2 decodes: FULL, padded to 3

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import ray
 
-from cluster import LLM, SamplingParams
-from cluster.async_llm import AsyncLLM, EngineDeadError
-from cluster.dp_client import DPEngineCoreClient
-from cluster.dp_load_balancer import DPLoadBalancer
-from cluster.openai.metrics import PrometheusStatLogger
-from cluster.outputs import DPEngineDiedError
-from configs import make_engine_config
+from raylm.cluster import LLM, SamplingParams
+from raylm.cluster.async_llm import AsyncLLM, EngineDeadError
+from raylm.cluster.dp_client import DPEngineCoreClient
+from raylm.cluster.dp_load_balancer import DPLoadBalancer
+from raylm.cluster.openai.metrics import PrometheusStatLogger
+from raylm.cluster.outputs import DPEngineDiedError
+from raylm.configs import make_engine_config
 from tests.reference import TOP_K, assert_same_output
 
 MAX_TOKENS = 10

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from cluster import LLM
-from runner.parallel_state import destroy_model_parallel, init_distributed_environment, init_model_parallel
+from raylm.cluster import LLM
+from raylm.runner.parallel_state import destroy_model_parallel, init_distributed_environment, init_model_parallel
 from tests.reference import assert_same_output, check_logprobs_close, hf_greedy
 from tests.runner_steps import Steps, make_runner, run_step
 from tests.test_dp_expert_parallel import ENGINE, MAX_TOKENS, Result, generate, make_prompts

@@ -7,11 +7,11 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from cluster.detokenizer import IncrementalDetokenizer
-from cluster.output_processor import OutputProcessor
-from cluster.outputs import EngineCoreOutput, RequestOutput
-from runner.outputs import LogprobsLists
-from runner.sampling_params import SamplingParams
+from raylm.cluster.detokenizer import IncrementalDetokenizer
+from raylm.cluster.output_processor import OutputProcessor
+from raylm.cluster.outputs import EngineCoreOutput, RequestOutput
+from raylm.common.outputs import LogprobsLists
+from raylm.common.sampling_params import SamplingParams
 
 _WORDS = ["hello", "world", "café", "naïve", "résumé", "中文", "日本語", "😀", "🚀", "über", "crème", "data", "END"]
 _TEXTS = ["hello world", "café 中文 😀 naïve", "🚀🚀 日本語 résumé crème", "中文😀über data 🚀 END hello"]

@@ -13,10 +13,10 @@ import pytest
 import ray
 import torch
 
-import cluster.llm_engine
-from cluster.llm_engine import LLMEngine
-from configs import make_engine_config
-from executor.device import decide_device
+import raylm.cluster.llm_engine
+from raylm.cluster.llm_engine import LLMEngine
+from raylm.configs import make_engine_config
+from raylm.executor.device import decide_device
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_ray_workers_decide_device_and_dtype(bf16_path: Path, gpus: int, device:
     assert not torch.cuda.is_available(), "the driver has no CUDA"
     config = make_engine_config(model=str(bf16_path), tensor_parallel_size=2, max_model_len=128)
     assert decide_device(config).model_config.device == device
-    monkeypatch.setattr(cluster.llm_engine, "EngineCore", _CapturingEngineCore)
+    monkeypatch.setattr(raylm.cluster.llm_engine, "EngineCore", _CapturingEngineCore)
     _CapturingEngineCore.seen.clear()
     engine = LLMEngine(config)
     handed, model_info = _CapturingEngineCore.seen[0]
@@ -71,7 +71,7 @@ def test_in_process_worker_decides_from_local_torch(bf16_path: Path) -> None:
 
 @pytest.mark.parametrize("gpus", [1], indirect=True)
 def test_serve_replica_uses_the_same_decision(bf16_path: Path, gpus: int) -> None:
-    from cluster.serve import _replica_holds_device
+    from raylm.cluster.serve import _replica_holds_device
 
     assert _replica_holds_device(make_engine_config(model=str(bf16_path), distributed_executor_backend="uni"))
     assert not _replica_holds_device(make_engine_config(model=str(bf16_path), tensor_parallel_size=2))

@@ -12,20 +12,25 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from configs import make_engine_config
-from configs.model_info import read_model_info
-from runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
-from runner.dp_utils import DPBatchDecision, coordinate_batch_across_dp, is_last_ubatch_empty, synchronize_dp_ranks
-from runner.forward_context import get_forward_context
-from runner.model_runner import ModelRunner
-from runner.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from runner.parallel_state import (
+from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from raylm.common.sampling_params import SamplingParams
+from raylm.configs import make_engine_config
+from raylm.configs.model_info import read_model_info
+from raylm.runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
+from raylm.runner.dp_utils import (
+    DPBatchDecision,
+    coordinate_batch_across_dp,
+    is_last_ubatch_empty,
+    synchronize_dp_ranks,
+)
+from raylm.runner.forward_context import get_forward_context
+from raylm.runner.model_runner import ModelRunner
+from raylm.runner.parallel_state import (
     destroy_model_parallel,
     get_dp_group,
     init_distributed_environment,
     init_model_parallel,
 )
-from runner.sampling_params import SamplingParams
 
 NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 PROMPT = [5, 17, 33, 2, 101, 64, 7]

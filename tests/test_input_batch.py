@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from configs import make_engine_config
-from configs.model_info import ModelInfo, read_model_info
-from runner.input_batch import CachedRequestState, InputBatch
-from runner.model_runner import ModelRunner
-from runner.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from runner.parallel_state import init_model_parallel
-from runner.sampling_params import SamplingParams
+from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from raylm.common.sampling_params import SamplingParams
+from raylm.configs import make_engine_config
+from raylm.configs.model_info import ModelInfo, read_model_info
+from raylm.runner.input_batch import CachedRequestState, InputBatch
+from raylm.runner.model_runner import ModelRunner
+from raylm.runner.parallel_state import init_model_parallel
 
 
 def state(req_id: str, num_tokens: int, blocks: list[int], computed: int = 0) -> CachedRequestState:

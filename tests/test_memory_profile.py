@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import LLM
-from worker.worker import MemoryProfile
+from raylm.cluster import LLM
+from raylm.worker.worker import MemoryProfile
 
 
 def test_no_room_for_one_request_is_a_clear_error(llama_path: Path) -> None:

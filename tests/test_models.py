@@ -15,15 +15,15 @@ from test_attention_torch import make_common_metadata
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from runner.attention import AttentionBackend, get_attn_backend
-from runner.forward_context import set_forward_context
-from runner.layers.attention import Attention
-from runner.models.llama import LlamaMLP
-from runner.models.loader import load_hf_config, load_model
-from runner.models.registry import get_model_cls
-from runner.models.utils import get_pp_indices
-from runner.outputs import IntermediateTensors
-from runner.parallel_state import destroy_model_parallel, init_model_parallel
+from raylm.common.outputs import IntermediateTensors
+from raylm.runner.attention import AttentionBackend, get_attn_backend
+from raylm.runner.forward_context import set_forward_context
+from raylm.runner.layers.attention import Attention
+from raylm.runner.models.llama import LlamaMLP
+from raylm.runner.models.loader import load_hf_config, load_model
+from raylm.runner.models.registry import get_model_cls
+from raylm.runner.models.utils import get_pp_indices
+from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
 
 BLOCK_SIZE, NUM_BLOCKS, ATOL = 4, 64, 1e-4
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

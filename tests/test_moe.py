@@ -14,11 +14,11 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from cluster import LLM, SamplingParams
-from runner.distributed import combine_topk, get_all2all_manager
-from runner.layers.fused_moe import FusedMoE, grouped_expert_mlp, select_experts, why_grouped_mm_syncs
-from runner.models.loader import load_model
-from runner.parallel_state import (
+from raylm.cluster import LLM, SamplingParams
+from raylm.runner.distributed import combine_topk, get_all2all_manager
+from raylm.runner.layers.fused_moe import FusedMoE, grouped_expert_mlp, select_experts, why_grouped_mm_syncs
+from raylm.runner.models.loader import load_model
+from raylm.runner.parallel_state import (
     destroy_model_parallel,
     get_ep_group,
     init_distributed_environment,

@@ -10,9 +10,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster import LLM, SamplingParams
-from configs import ParallelConfig
-from executor.placement import bundle_node_ids, create_placement_plan
+from raylm.cluster import LLM, SamplingParams
+from raylm.configs import ParallelConfig
+from raylm.executor.placement import bundle_node_ids, create_placement_plan
 
 TP2_PP2 = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
 PROMPTS = [{"prompt_token_ids": [5, 17, 99, 250, 3]}, {"prompt_token_ids": list(range(40, 70))}]

@@ -12,12 +12,12 @@ from typing import Any
 import openai
 import pytest
 
-import cluster.async_llm
-from cluster.async_llm import AsyncLLM
-from cluster.llm_engine import LLMEngine
-from cluster.openai.api_server import build_app, build_engine_app
-from cluster.openai.router import EngineModelRouter
-from configs import make_engine_config
+import raylm.cluster.async_llm
+from raylm.cluster.async_llm import AsyncLLM
+from raylm.cluster.llm_engine import LLMEngine
+from raylm.cluster.openai.api_server import build_app, build_engine_app
+from raylm.cluster.openai.router import EngineModelRouter
+from raylm.configs import make_engine_config
 from tests.http_server import Server, engine_settings, metric, metrics, served_engine, wait_until
 
 API_KEY = "sk-test-key"
@@ -138,7 +138,7 @@ def test_health_follows_the_engine(llama_path: Path, monkeypatch: pytest.MonkeyP
             loading.wait()
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(cluster.async_llm, "LLMEngine", SlowLoadingEngine)
+    monkeypatch.setattr(raylm.cluster.async_llm, "LLMEngine", SlowLoadingEngine)
     app, engine = build_engine_app(make_engine_config(**engine_settings(llama_path)))
     server = Server(app)
     try:

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from runner.models.utils import get_pp_indices
-from runner.parallel_state import (
-    RankLayout,
+from raylm.common.parallel_layout import RankLayout
+from raylm.runner.models.utils import get_pp_indices
+from raylm.runner.parallel_state import (
     destroy_model_parallel,
     get_dp_group,
     get_ep_group,

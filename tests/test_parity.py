@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import LLM, SamplingParams
+from raylm.cluster import LLM, SamplingParams
 from tests.reference import TOP_K, check_logprobs_close, hf_greedy
 
 MAX_TOKENS = 32

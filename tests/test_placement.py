@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster import LLM
-from cluster.serve import build_openai_app, llm_server_options
-from configs import ParallelConfig, make_engine_config
-from executor.cluster_resources import ClusterCapacity, EngineBundles, check_fits
-from executor.placement import assign_ranks, create_placement_plan, describe_engine, engine_bundles
+from raylm.cluster import LLM
+from raylm.cluster.serve import build_openai_app, llm_server_options
+from raylm.configs import ParallelConfig, make_engine_config
+from raylm.executor.cluster_resources import ClusterCapacity, EngineBundles, check_fits
+from raylm.executor.placement import assign_ranks, create_placement_plan, describe_engine, engine_bundles
 
 TP2_PP2 = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
 NEEDS = (r"it needs 5 bundles for TP=2 x PP=2 = 4 workers and the engine itself: the engine's bundle \{CPU: 1\} \+ "

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import LLM, RequestOutput, SamplingParams
-from cluster.scheduler import Scheduler
+from raylm.cluster import LLM, RequestOutput, SamplingParams
+from raylm.cluster.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 40

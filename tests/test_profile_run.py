@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from configs import make_engine_config
-from configs.model_info import read_model_info
-from runner.attention.common import CommonAttentionMetadata
-from runner.model_runner import ModelRunner
-from runner.profile_run import PROFILE_NUM_LOGPROBS
-from runner.sampler import SamplerOutput
-from runner.sampling_metadata import SamplingMetadata
+from raylm.configs import make_engine_config
+from raylm.configs.model_info import read_model_info
+from raylm.runner.attention.common import CommonAttentionMetadata
+from raylm.runner.model_runner import ModelRunner
+from raylm.runner.profile_run import PROFILE_NUM_LOGPROBS
+from raylm.runner.sampler import SamplerOutput
+from raylm.runner.sampling_metadata import SamplingMetadata
 from tests.runner_steps import model_parallel_of_one  # noqa: F401  (a fixture)
 
 

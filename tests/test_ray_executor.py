@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import ray
 
-from cluster import LLM, SamplingParams
-from cluster.llm_engine import LLMEngine
-from cluster.tiny_model import make_tiny_model
-from configs import ParallelConfig, add_engine_args, engine_args_from, make_engine_config
-from executor import Executor, UniProcExecutor
-from executor.placement import assign_ranks, engine_bundles
-from executor.ray_executor import RayExecutor
-from runner.outputs import SchedulerOutput
+from raylm.cluster import LLM, SamplingParams
+from raylm.cluster.llm_engine import LLMEngine
+from raylm.cluster.tiny_model import make_tiny_model
+from raylm.common.outputs import SchedulerOutput
+from raylm.configs import ParallelConfig, add_engine_args, engine_args_from, make_engine_config
+from raylm.executor import Executor, UniProcExecutor
+from raylm.executor.placement import assign_ranks, engine_bundles
+from raylm.executor.ray_executor import RayExecutor
+from raylm.executor.ray_worker import cuda_device_index
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
-from worker.ray_worker import cuda_device_index
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [1, 6, 19, 35]

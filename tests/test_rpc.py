@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from executor.rpc import RpcClient
-from worker.channel import DriverChannel, WorkerChannel, send_frame
-from worker.ray_worker import RayWorkerWrapper
+from raylm.executor.channel import DriverChannel, WorkerChannel, send_frame
+from raylm.executor.ray_worker import RayWorkerWrapper
+from raylm.executor.rpc import RpcClient
 
 
 class FakeWorker:

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from runner.penalties import apply_logits_processors
-from runner.sampler import (
+from raylm.common.sampling_params import SamplingParams
+from raylm.runner.penalties import apply_logits_processors
+from raylm.runner.sampler import (
     LogprobsTensors,
     Sampler,
     apply_top_k_top_p_min_p,
@@ -16,8 +17,7 @@ from runner.sampler import (
     lowbias32_,
     random_uniform,
 )
-from runner.sampling_metadata import SamplingMetadata, make_padded_token_ids
-from runner.sampling_params import SamplingParams
+from raylm.runner.sampling_metadata import SamplingMetadata, make_padded_token_ids
 
 EOS = 2
 

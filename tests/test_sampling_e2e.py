@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from cluster import LLM, RequestOutput, SamplingParams
+from raylm.cluster import LLM, RequestOutput, SamplingParams
 
 TOLERANCE = 1e-4
 NUM_LOGPROBS = 4

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cluster.outputs import EngineCoreOutput
-from cluster.request import Request, RequestStatus
-from cluster.scheduler import Scheduler
-from configs.engine_config import CacheConfig, SchedulerConfig
-from runner.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from runner.sampling_params import SamplingParams
+from raylm.cluster.outputs import EngineCoreOutput
+from raylm.cluster.request import Request, RequestStatus
+from raylm.cluster.scheduler import Scheduler
+from raylm.common.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from raylm.common.sampling_params import SamplingParams
+from raylm.configs.engine_config import CacheConfig, SchedulerConfig
 
 BLOCK_SIZE = 4
 EOS = 2

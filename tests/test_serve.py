@@ -1,4 +1,4 @@
-"""The Ray Serve application from configs/serve-tiny.yaml on a local Ray, answered over HTTP: the OpenAI routes and
+"""The Ray Serve application from the serve-tiny.yaml preset on a local Ray, answered over HTTP: the OpenAI routes and
 /metrics, and a replica whose worker dies replaced."""
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from ray import serve
 from ray._private.state import actors
 from ray.serve.context import _get_global_client
 
-from cluster.serve import SERVE_ENV_VARS, LLMServer, build_app, llm_server_options, start_serve
-from configs import make_engine_config
+from raylm.cluster.serve import SERVE_ENV_VARS, LLMServer, build_app, llm_server_options, start_serve
+from raylm.configs import make_engine_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SERVE_CONFIG = REPO_ROOT / "configs" / "serve-tiny.yaml"
+SERVE_CONFIG = REPO_ROOT / "raylm" / "configs" / "serve-tiny.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def base_url(application: dict[str, Any], llama_path: Path, ray_metrics_port: in
 
 
 def test_serve_config_builds_autoscaling_deployments(application: dict[str, Any]) -> None:
-    assert application["import_path"] == "cluster.serve:build_app"
+    assert application["import_path"] == "raylm.cluster.serve:build_app"
     settings = dict(application["args"])
     config = make_engine_config(settings.pop("config"), **settings)
     autoscaling = llm_server_options(config)["autoscaling_config"]
@@ -72,13 +72,13 @@ def test_serve_config_builds_autoscaling_deployments(application: dict[str, Any]
 
 
 def test_serve_config_gives_serve_raylm_settings() -> None:
-    """`serve run configs/serve-tiny.yaml` starts Serve's controller and proxies as start_serve does."""
+    """`serve run raylm/configs/serve-tiny.yaml` starts Serve's controller and proxies as start_serve does."""
     controller_options = yaml.safe_load(SERVE_CONFIG.read_text())["controller_options"]
     assert controller_options == {"runtime_env": {"env_vars": SERVE_ENV_VARS}}
 
 
 def test_replica_runs_at_nice_0() -> None:
-    config = make_engine_config("configs/tiny.yaml")
+    config = make_engine_config("raylm/configs/tiny.yaml")
     assert llm_server_options(config)["ray_actor_options"]["runtime_env"] == {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
@@ -146,7 +146,7 @@ def test_answers_through_serve(base_url: str, application: dict[str, Any], llama
 
 @pytest.mark.slow
 def test_tp2_replica_runs_in_the_placement_group_serve_creates(base_url: str, llama_path: Path) -> None:
-    app = build_app({"config": "configs/tiny.yaml", "model": str(llama_path), "served_model_name": "tp2",
+    app = build_app({"config": "raylm/configs/tiny.yaml", "model": str(llama_path), "served_model_name": "tp2",
                      "tensor_parallel_size": 2, "distributed_executor_backend": "ray"})
     serve.run(app, name="tp2", route_prefix="/tp2")
     try:
@@ -235,7 +235,7 @@ def _running_replica_ids(deployment: str) -> set[str]:
 def test_replica_with_a_killed_worker_is_replaced(base_url: str, llama_path: Path) -> None:
     """A TP 2 replica's worker actor dies: the engine fails, Serve's health check (every second here) fails the
     replica, Serve starts another, and requests succeed again."""
-    config = make_engine_config("configs/tiny.yaml", model=str(llama_path), served_model_name="recovery",
+    config = make_engine_config("raylm/configs/tiny.yaml", model=str(llama_path), served_model_name="recovery",
                                 tensor_parallel_size=2, distributed_executor_backend="ray")
     options = llm_server_options(config) | {"health_check_period_s": 1, "graceful_shutdown_timeout_s": 2}
     serve.run(serve.deployment(LLMServer).options(name="LLMServer:recovery", **options).bind(config),

@@ -17,7 +17,7 @@ def test_serve_no_ray(llama_path: Path) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--no-ray", "--config", "configs/tiny.yaml",
+        [sys.executable, "-m", "raylm.cluster.cli", "serve", "--no-ray", "--config", "raylm/configs/tiny.yaml",
          "--model", str(llama_path), "--port", str(port), "--api-key", "sk-cli"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import LLM, SamplingParams
-from cluster.outputs import EngineSleepingError
-from configs import envs
-from runner.sleep_mode import offload, restore, storage_bytes, unique_storages
+from raylm.cluster import LLM, SamplingParams
+from raylm.cluster.outputs import EngineSleepingError
+from raylm.configs import envs
+from raylm.runner.sleep_mode import offload, restore, storage_bytes, unique_storages
 from tests.http_server import served_engine
 
 PROMPTS = ["The quick brown fox", "Sleep mode frees"]

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from cluster import LLM, SamplingParams
-from cluster.cli import main
-from runner import tracing
+from raylm.cluster import LLM, SamplingParams
+from raylm.cluster.cli import main
+from raylm.common import tracing
 
 ENGINE_PHASES = {"schedule", "execute_model", "sample_tokens", "update_from_output", "process_outputs"}
 RANK_PHASES = {"execute_model", "update_states", "prepare_inputs", "batch_decision", "forward", "compute_logits",

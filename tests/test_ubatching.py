@@ -10,13 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from configs import make_engine_config
-from runner.attention.backend import AttentionBackend
-from runner.batch_descriptor import CUDAGraphMode
-from runner.dp_utils import synchronize_dp_ranks
-from runner.forward_context import get_forward_context
-from runner.ubatch_splitting import UBatchSlice, check_ubatch_thresholds, create_ubatch_slices, slice_attn_metadata
-from runner.ubatching import current_ubatch_id, dbo_yield, run_ubatches
+from raylm.configs import make_engine_config
+from raylm.runner.attention.backend import AttentionBackend
+from raylm.runner.batch_descriptor import CUDAGraphMode
+from raylm.runner.dp_utils import synchronize_dp_ranks
+from raylm.runner.forward_context import get_forward_context
+from raylm.runner.ubatch_splitting import (
+    UBatchSlice,
+    check_ubatch_thresholds,
+    create_ubatch_slices,
+    slice_attn_metadata,
+)
+from raylm.runner.ubatching import current_ubatch_id, dbo_yield, run_ubatches
 from tests.test_attention_torch import make_common_metadata
 from tests.test_batch_padding import backends
 

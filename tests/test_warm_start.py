@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.default_model import build_default_model, served_model_name
-from configs import ModelConfig
+from raylm.cluster.default_model import build_default_model, served_model_name
+from raylm.configs import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILDING_MODEL = "raylm: building the tiny model tiny-llama"
@@ -33,7 +33,7 @@ def finish(process: subprocess.Popen[str]) -> tuple[str, str]:
 def test_tiny_model_is_built_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capfd: pytest.CaptureFixture[str]) -> None:
     cache = tmp_path / "cache"
-    code = "from cluster.default_model import build_default_model; print(build_default_model())"
+    code = "from raylm.cluster.default_model import build_default_model; print(build_default_model())"
     # Two processes at once: one builds, the other waits for it on the lock and takes its folder.
     results = [finish(p) for p in [run_python(code, REPO_ROOT, RAYLM_CACHE_DIR=str(cache)) for _ in range(2)]]
     assert sum(err.count(BUILDING_MODEL) for _, err in results) == 1
@@ -52,12 +52,13 @@ def test_tiny_model_is_built_once_into_the_cache(tmp_path: Path, monkeypatch: py
 def test_cpu_kernels_are_reused_from_another_checkout(tmp_path: Path) -> None:
     """Two copies of the code in other folders (new paths, new file times) load the same build from the user cache:
     the second one builds nothing."""
-    code = "import runner.cpu_kernels as k; m = k.load(); assert m is not None; print(m.__file__)"
+    code = "import raylm.runner.cpu_kernels as k; m = k.load(); assert m is not None; print(m.__file__)"
     outputs = []
     for name in ("checkout-a", "checkout-b"):
-        for package in ("configs", "runner"):
-            shutil.copytree(REPO_ROOT / package, tmp_path / name / package,
+        for package in ("configs", "common", "runner"):
+            shutil.copytree(REPO_ROOT / "raylm" / package, tmp_path / name / "raylm" / package,
                             ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(REPO_ROOT / "raylm" / "__init__.py", tmp_path / name / "raylm")
         outputs.append(finish(run_python(code, tmp_path / name)))
     (library_a, _), (library_b, err_b) = outputs
     assert BUILDING_KERNELS not in err_b

@@ -1,0 +1,30 @@
+"""raylm: an LLM serving engine for Ray clusters.
+
+`from raylm import LLM, SamplingParams, AsyncLLM`. The names load on first use, so that a worker process, which
+imports only the lower floors (`raylm.runner`, `raylm.worker`), never pulls in the serving stack.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raylm.cluster.async_llm import AsyncLLM
+    from raylm.cluster.llm import LLM
+    from raylm.cluster.outputs import CompletionOutput, RequestOutput
+    from raylm.common.sampling_params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "raylm.cluster.llm",
+    "AsyncLLM": "raylm.cluster.async_llm",
+    "SamplingParams": "raylm.common.sampling_params",
+    "RequestOutput": "raylm.cluster.outputs",
+    "CompletionOutput": "raylm.cluster.outputs",
+}
+__all__ = ["AsyncLLM", "CompletionOutput", "LLM", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'raylm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,99 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from raylm.cluster.llm_engine import LLMEngine, PromptType
+from raylm.cluster.outputs import RequestOutput
+from raylm.cluster.stats import LoggingStatLogger
+from raylm.common.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=PATH or None, config_file=None, **settings)`: settings use the config field names
+    (`max_num_seqs`, `block_size`, `tensor_parallel_size`, ...); None builds the tiny default model."""
+
+    def __init__(self, model: str | None = None, config_file: str | None = None, **settings: Any) -> None:
+        self.llm_engine = LLMEngine.from_settings(config_file, model=model, **settings)
+        observability = self.llm_engine.config.observability_config
+        self.stat_logger = (None if observability.disable_log_stats
+                            else LoggingStatLogger(observability.log_stats_interval_s))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = _per_prompt(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+
+        engine = self.llm_engine
+        request_ids = [str(next(self._counter)) for _ in prompts]
+        try:
+            for request_id, prompt, params, prio in zip(request_ids, prompts, params_list, priorities):
+                engine.add_request(request_id, prompt, params, priority=prio, output_kind="final")
+            finished = self._run_engine(len(prompts), use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        return [finished[request_id] for request_id in request_ids]
+
+    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            num_output_tokens = 0
+            while self.llm_engine.has_unfinished_requests():
+                if self.stat_logger is not None and self.stat_logger.due():
+                    for engine_index, stats in enumerate(self.llm_engine.engine_core.engine_stats()):
+                        self.stat_logger.record(engine_index, stats)
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        rate = num_output_tokens / max(bar.format_dict["elapsed"], 1e-9)
+                        bar.set_postfix_str(f"output {rate:.0f} tok/s", refresh=False)
+        return finished
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """Call a Worker method (by name) on every worker of every engine; results in global rank order."""
+        return self.llm_engine.engine_core.collective_rpc(method, args)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU memory while idle (vLLM's sleep mode): the KV cache always; the weights are offloaded to CPU
+        memory (level 1) or dropped and reloaded from the checkpoint on wake_up (level 2)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: all, or only ["weights"] / ["kv_cache"] (e.g. weights first, to update them)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+
+def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: give one, or one per prompt")
+    return params

@@ -1,0 +1,134 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template, n choices."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from raylm.cluster.openai.errors import OpenAIError
+from raylm.cluster.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogprob,
+)
+from raylm.cluster.openai.serving_engine import (
+    MAX_LOGPROBS,
+    SSE_DONE,
+    ChoiceState,
+    OpenAIServing,
+    clamp_logprob,
+    random_id,
+    sse,
+    sse_error,
+    usage,
+)
+from raylm.cluster.outputs import RequestOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(
+            self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncGenerator[str, None]:
+        await self.engine.wait_until_ready()
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
+        prompt = self.engine_prompt(*self._apply_chat_template(request), "messages", max_tokens, max_tokens_param)
+        params = self.sampling_params(request, max_tokens, self._num_logprobs(request))
+        request_id = random_id("chatcmpl")
+        outputs = self.engine.generate(request_id, prompt, params, request.priority or 0)
+        if request.stream:
+            return self._stream(request, request_id, params.n, outputs)
+        return await self._collect(request, request_id, outputs)
+
+    def _apply_chat_template(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        tokenizer = self.engine.tokenizer
+        messages = [{"role": message.role, "content": message.text()} for message in request.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=request.add_generation_prompt,
+                                                 **(request.chat_template_kwargs or {}))
+        except Exception as err:  # no template, or the template rejected the messages
+            raise OpenAIError(f"messages: the chat template failed: {err}", param="messages") from None
+        # The template writes the special tokens (BOS, ...) itself.
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    def _num_logprobs(self, request: ChatCompletionRequest) -> int | None:
+        if request.top_logprobs is not None:
+            if not request.logprobs:
+                raise OpenAIError("top_logprobs: needs logprobs to be true", param="top_logprobs")
+            if not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+                raise OpenAIError(f"top_logprobs: must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+        return (request.top_logprobs or 0) if request.logprobs else None
+
+    async def _collect(self, request: ChatCompletionRequest, request_id: str,
+                       outputs: AsyncGenerator[RequestOutput, None]) -> ChatCompletionResponse:
+        choices: dict[int, ChoiceState] = {}
+        num_prompt_tokens = 0
+        async with aclosing(outputs):
+            async for output in outputs:
+                num_prompt_tokens = len(output.prompt_token_ids)
+                for completion in output.outputs:
+                    choices.setdefault(completion.index, ChoiceState()).add(completion)
+        response_choices = [
+            ChatChoice(index=index, message=AssistantMessage(content=choice.text),
+                       logprobs=self._logprobs(request, choice.token_ids, choice.logprobs),
+                       finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+            for index, choice in sorted(choices.items())]
+        num_completion_tokens = sum(len(choice.token_ids) for choice in choices.values())
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=response_choices,
+                                      usage=usage(num_prompt_tokens, num_completion_tokens))
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, n: int,
+                      outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], num_prompt_tokens: int = 0,
+                  num_completion_tokens: int = 0, with_usage: bool = False) -> str:
+            chunk_usage = usage(num_prompt_tokens, num_completion_tokens) if with_usage else None
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=choices,
+                                           usage=chunk_usage))
+
+        num_prompt_tokens = num_completion_tokens = 0
+        try:
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                         for i in range(n)])
+            async with aclosing(outputs):
+                async for output in outputs:
+                    num_prompt_tokens = len(output.prompt_token_ids)
+                    choices = []
+                    for completion in output.outputs:
+                        num_completion_tokens += len(completion.token_ids)
+                        choices.append(ChatStreamChoice(
+                            index=completion.index, delta=DeltaMessage(content=completion.text),
+                            logprobs=self._logprobs(request, completion.token_ids, completion.logprobs or []),
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                    yield chunk(choices, num_prompt_tokens, num_completion_tokens, request.continuous_usage)
+            if request.include_usage:
+                yield chunk([], num_prompt_tokens, num_completion_tokens, with_usage=True)
+        except Exception as err:
+            yield sse_error(err)
+        yield SSE_DONE
+
+    def _logprobs(self, request: ChatCompletionRequest, token_ids: list[int],
+                  logprobs: list[dict[int, float]]) -> ChatLogprobs | None:
+        """vLLM's entries: top_logprobs holds exactly top_logprobs entries, the sampled token first, then the top
+        ones (so the last of the top n drops out when the sampled token is not among them)."""
+        if not request.logprobs:
+            return None
+        num_top = request.top_logprobs or 0
+        content = []
+        for token_id, candidates in zip(token_ids, logprobs):
+            top = [self._top_logprob(top_id, logprob) for top_id, logprob in list(candidates.items())[:num_top]]
+            sampled = self._top_logprob(token_id, candidates[token_id])
+            content.append(ChatLogprob(**sampled.model_dump(), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        token = self.token_text(token_id)
+        return TopLogprob(token=token, logprob=clamp_logprob(logprob), bytes=list(token.encode("utf-8")))

@@ -1,0 +1,60 @@
+"""What the engine core emits per step, and what users get back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raylm.common.outputs import LogprobsLists
+
+
+class EngineSleepingError(ValueError):
+    """A request reached an engine put to sleep (LLM.sleep): a ValueError, so a server fails that request only."""
+
+
+class DPEngineDiedError(RuntimeError):
+    """A data-parallel engine died; `request_ids` were on it and are lost. `fatal`: no engine can serve any more."""
+
+    def __init__(self, message: str, request_ids: list[str], fatal: bool) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+        self.fatal = fatal
+
+
+@dataclass
+class EngineCoreOutput:
+    """The delta of one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    new_logprobs: LogprobsLists | None = None
+    num_cached_tokens: int = 0
+    # The whole prompt's, with the first output token: one position per prompt token after the first.
+    new_prompt_logprobs: LogprobsLists | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # One dict per generated token: token id -> logprob (the sampled token and the top-n).
+    logprobs: list[dict[int, float]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    # None for the first prompt token (nothing precedes it), then {token id: logprob} per prompt token: the actual
+    # token and the top-n.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

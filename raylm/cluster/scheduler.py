@@ -1,0 +1,297 @@
+"""The unified scheduler (vLLM v1 style): no prefill and decode phases. Each request has
+`num_computed_tokens` that catches up to its `num_tokens`; a step hands out a token budget,
+running requests first, then waiting ones, preempting when the KV pool runs dry.
+
+Protocol with the engine: call `schedule()`, run the step, then `update_from_output()` with that
+step's output; with several steps in flight, updates come back in schedule order. Request ids
+must be unique over the engine's lifetime (outputs of removed requests are recognised by id).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from raylm.cluster.kv_cache_manager import KVCacheManager
+from raylm.cluster.outputs import EngineCoreOutput
+from raylm.cluster.request import Request, RequestStatus
+from raylm.cluster.request_queue import create_request_queue, preemption_victim
+from raylm.cluster.stop_checker import check_stop
+from raylm.common.outputs import CachedRequestData, LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from raylm.configs.engine_config import CacheConfig, SchedulerConfig
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+        send_token_ids: bool = False,
+    ) -> None:
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        # Async scheduling plans step N+1 before step N's samples are back: the scheduled positions
+        # whose token is still unknown are counted in `Request.num_output_placeholders`.
+        self.async_scheduling = scheduler_config.async_scheduling
+        self.policy = scheduler_config.scheduling_policy
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            # A resumed request recomputes prompt + outputs in one step; it must always fit.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len}) when enable_chunked_prefill is False")
+        self.max_model_len = max_model_len
+        self.send_token_ids = send_token_ids  # PP > 1: stage 0 did not see the sampled tokens
+
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # finished, aborted or preempted since the last schedule
+        self.num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        prompt_len = request.num_prompt_tokens
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty: at least one prompt token is needed")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens but max_model_len is {self.max_model_len}: the prompt "
+                f"must be shorter than max_model_len to leave room for at least one generated token")
+        assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
+        room = self.max_model_len - prompt_len
+        max_tokens = request.sampling_params.max_tokens
+        request.max_tokens = room if max_tokens is None else min(max_tokens, room)
+        self.kv_cache_manager.check_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish (typically abort) requests wherever they are; unknown or finished ids are ignored."""
+        assert status.is_finished
+        request_ids = (request_ids,) if isinstance(request_ids, str) else request_ids
+        any_running = False
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                any_running = True
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+        if any_running:
+            self.running = [request for request in self.running if not request.is_finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        any_preempted = False
+
+        running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
+        req_index = 0
+        while req_index < len(running) and budget > 0:
+            request = running[req_index]
+            num_new_tokens = self._num_tokens_to_schedule(request, budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            while (block_ids := allocate_slots(request, num_new_tokens)) is None:
+                victim_index = preemption_victim(running, self.policy)
+                victim = running.pop(victim_index)
+                if victim_index < req_index:
+                    req_index -= 1
+                if victim.request_id in num_scheduled_tokens:  # already scheduled this step: undo that
+                    budget += num_scheduled_tokens.pop(victim.request_id)
+                    del new_block_ids[victim.request_id]
+                    scheduled_running.remove(victim)
+                self._preempt(victim)
+                any_preempted = True
+                if victim is request:
+                    break
+            if block_ids is None:
+                continue  # the request preempted itself; req_index already points at the next one
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = block_ids
+            scheduled_running.append(request)
+            budget -= num_new_tokens
+            req_index += 1
+
+        # Admitting while preempting would only thrash the pool.
+        while not any_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if num_new_tokens > budget:
+                if not self.enable_chunked_prefill:
+                    break  # waits for a step with room, keeping the queue order
+                num_new_tokens = budget
+            if self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_computed_tokens, computed_blocks) is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+            self.running.append(request)
+            scheduled_new.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            budget -= num_new_tokens
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
+                               req.sampling_params, self.kv_cache_manager.get_block_ids(req.request_id),
+                               req.num_computed_tokens)
+                for req in scheduled_new],
+            scheduled_cached_reqs=self._cached_request_data(scheduled_running, new_block_ids),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        for request in scheduled_running + scheduled_new:
+            self._advance(request, num_scheduled_tokens[request.request_id])
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, finish requests that stop, and report one delta per request
+        that got tokens or finished. Requests finished, aborted or preempted since that step was
+        scheduled are skipped."""
+        row_of = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        outputs: list[EngineCoreOutput] = []
+        finished_requests: set[Request] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            request.num_inflight_steps -= 1
+            if request.num_stale_steps > 0:
+                request.num_stale_steps -= 1
+                continue
+            row = row_of.get(req_id)
+            sampled = sampled_token_ids[row] if row is not None else None
+            if not sampled:
+                continue  # a partial prefill
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= len(sampled)
+                assert request.num_output_placeholders >= 0
+            num_new_tokens, finished = 0, False  # a request in self.requests is unfinished until check_stop says
+            for token_id in sampled:
+                request.append_output_token_id(token_id)
+                num_new_tokens += 1
+                if check_stop(request):
+                    finished = True
+                    break
+            logprobs = model_runner_output.logprobs.get(req_id)
+            if logprobs is not None and num_new_tokens < len(sampled):
+                logprobs = _slice_logprobs(logprobs, num_new_tokens)
+            if finished:
+                finished_requests.add(request)
+                self._free_request(request)
+            outputs.append(EngineCoreOutput(
+                req_id, sampled[:num_new_tokens], request.get_finished_reason() if finished else None,
+                request.stop_reason, logprobs, max(request.num_cached_tokens, 0),
+                model_runner_output.prompt_logprobs.get(req_id)))
+        if finished_requests:
+            self.running = [request for request in self.running if request not in finished_requests]
+        return outputs
+
+    # ---- metrics and cache control ----------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.prefix_cache_hits
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        num_tokens, num_placeholders = request.num_tokens, request.num_output_placeholders
+        if num_tokens - request.num_prompt_tokens + num_placeholders >= request.max_tokens:
+            return 0  # async: the samples in flight already reach max_tokens
+        # Without chunked prefill a running request only ever has decode tokens left (a whole prompt
+        # was admitted at once), so capping by the budget never splits a prompt.
+        return min(num_tokens + num_placeholders - request.num_computed_tokens, budget)
+
+    def _preempt(self, request: Request) -> None:
+        """Free the blocks and requeue; the tokens so far are kept and recomputed on resumption."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        request.num_stale_steps = request.num_inflight_steps
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(request)
+        self.finished_req_ids.add(request.request_id)
+
+    def _advance(self, request: Request, num_tokens: int) -> None:
+        """Count the scheduled tokens as computed right away so the next step can be planned before
+        this one's output is back."""
+        request.num_computed_tokens = num_computed = request.num_computed_tokens + num_tokens
+        request.num_inflight_steps += 1
+        request.num_sent_tokens = num_known = request.num_tokens
+        num_known_or_pending = num_known + request.num_output_placeholders
+        if self.async_scheduling and num_computed == num_known_or_pending:
+            request.num_output_placeholders += 1  # this step samples; its token is not known yet
+            num_known_or_pending += 1
+        assert num_computed <= num_known_or_pending
+        assert num_computed < self.max_model_len
+
+    def _cached_request_data(self, requests: list[Request], new_block_ids: dict[str, list[int]]) -> CachedRequestData:
+        req_ids = [request.request_id for request in requests]
+        return CachedRequestData(
+            req_ids, [new_block_ids[req_id] for req_id in req_ids], [req.num_computed_tokens for req in requests],
+            [req.all_token_ids[req.num_sent_tokens:] if self.send_token_ids else [] for req in requests])
+
+    def _free_request(self, request: Request) -> None:
+        """A finished request leaves the engine core: blocks back to the pool, the runner told."""
+        assert request.is_finished
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+
+def _slice_logprobs(logprobs: LogprobsLists, num_positions: int) -> LogprobsLists:
+    return LogprobsLists(logprobs.token_ids[:num_positions], logprobs.logprobs[:num_positions],
+                         logprobs.ranks[:num_positions])

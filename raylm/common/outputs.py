@@ -1,0 +1,87 @@
+"""The step contract between the scheduler (cluster/) and the devices (worker/, runner/).
+
+`SchedulerOutput` carries diffs only: requests new to the device, and for requests it already
+holds, the new KV blocks and the number of tokens to compute. `ModelRunnerOutput` carries back
+what was sampled (and the logprobs asked for).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from raylm.common.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or one resumed after preemption: all its tokens again)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens already generated (non-empty only when resumed)
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds, in parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # Tokens sampled since the last step; needed only by ranks that did not sample them (PP > 1).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished, aborted or preempted: the runner drops them
+
+    @classmethod
+    def empty(cls) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0, set())
+
+
+@dataclass
+class LogprobsLists:
+    """Per position: the sampled (or, for prompt logprobs, the actual next prompt) token first, then the top-n,
+    each with its logprob; and that first token's rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the sampled token in the full distribution (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per request in req_ids: [] for a request that did not sample (partial prefill).
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Whole prompts only, in the step that samples a request's first token: one position per prompt token after
+    # the first.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls) -> ModelRunnerOutput:
+        return cls([], [])
+
+
+@dataclass
+class IntermediateTensors:
+    """What a non-last pipeline stage hands to the next: {"hidden_states", "residual"}."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self.tensors[key] = value

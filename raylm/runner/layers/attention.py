@@ -1,0 +1,43 @@
+"""The attention layer of a model: owns its KV cache (assigned by the runner) and runs whatever backend built
+the current step's metadata."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.runner.attention.backend import AttentionMetadata
+from raylm.runner.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 layer_idx: int = 0) -> None:
+        super().__init__()
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        assert self.num_heads % self.num_kv_heads == 0, "query heads must be a multiple of KV heads"
+        self.layer_idx = layer_idx  # global layer index: the runner binds kv_cache by it
+        self.kv_cache = torch.empty(0)  # [2, num_blocks, block_size, num_kv_heads, head_size] once bound
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query [T, num_heads*head_size], key/value [T, num_kv_heads*head_size] -> [T, num_heads*head_size]."""
+        q = query.unflatten(-1, (self.num_heads, self.head_size))
+        k = key.unflatten(-1, (self.num_kv_heads, self.head_size))
+        v = value.unflatten(-1, (self.num_kv_heads, self.head_size))
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:
+            return self._forward_without_cache(q, k, v)
+        assert isinstance(metadata, AttentionMetadata)
+        assert self.kv_cache.numel() > 0, f"layer {self.layer_idx} has no KV cache bound"
+        return metadata.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+
+    def _forward_without_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Dummy and profile runs: the whole batch as one causal sequence, the cache untouched."""
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, scale=self.scale, enable_gqa=True)
+        return out.transpose(0, 1).flatten(1)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_size={self.head_size}")

@@ -1,0 +1,204 @@
+"""Linear layers on CPU: for each weight shape and batch size, the kernel that measured fastest on this machine.
+
+Two kernels compute y = x W^T (+ b) in float32 accuracy: `sgemm`, torch's F.linear on the weight as stored (MKL's
+or OpenBLAS's sgemm), and `onednn`, oneDNN's matmul on a copy of the weight reordered once into its blocked layout.
+oneDNN packs bfloat16 weights only on CPUs with the instructions its bf16 kernels need (AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT; torch asks oneDNN); elsewhere a bfloat16 layer keeps a float32 copy of its weight, upcast once, and
+runs `sgemm_fp32` (x upcast, sgemm, the result cast back), 3-5x torch's own bfloat16 linear on an AVX2-only CPU.
+Which one wins depends on the CPU, the shape and the rows of the batch: on one 2-core EPYC oneDNN ran 1.5-3x sgemm
+from 8 rows on the 107M model's shapes, yet lost to it by 2x on a 256 x 256 weight below 32 rows. So after loading,
+`plan_linears` gives every weight shape of the model a GemmPlan, one kernel per row bucket, by timing both kernels
+with the threads the worker runs with. Plans are kept in the user cache per machine (CPU features, torch, threads,
+shapes): every process on the machine picks the same kernels (so rounds alike) and a later start-up does not measure
+again. Delete `~/.cache/raylm/gemm_plans` to measure anew.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.common.logger import show_info
+from raylm.configs.cache import build_once, cache_path, content_key
+from raylm.runner.cpu_kernels import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+# The rows timed; a batch of n rows takes the kernel of the first bucket >= n (of the last beyond it).
+ROW_BUCKETS = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024
+_TIMED_ROUNDS = 5
+# Past this many FLOPs per call both kernels are compute-bound: larger buckets take the last timed choice, which
+# keeps the start-up cost of a big model's shapes to seconds.
+_MAX_TIMED_FLOPS = 4e9
+
+Shape = tuple[int, int, bool]  # (out_features, in_features, has_bias)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """The kernel per row bucket of one weight shape: True where `onednn` runs."""
+
+    use_onednn: tuple[bool, ...]  # one entry per ROW_BUCKETS
+
+    def onednn_for(self, rows: int) -> bool:
+        # Bucket i holds the rows in (2**(i-1), 2**i].
+        return self.use_onednn[min((max(rows, 1) - 1).bit_length(), len(self.use_onednn) - 1)]
+
+    def describe(self) -> str:
+        """E.g. "sgemm up to 16 rows, then onednn"."""
+        names = ["onednn" if onednn else "sgemm" for onednn in self.use_onednn]
+        parts = [names[0]]
+        for i in range(1, len(names)):
+            if names[i] != names[i - 1]:
+                rows = ROW_BUCKETS[i - 1]
+                parts.append(f"up to {rows} row{'s' if rows > 1 else ''}, then {names[i]}")
+        return " ".join(parts)
+
+
+class CpuGemmMixin:
+    """A layer whose `weight` [out, in] (and `bias`) run through the plan's kernels on CPU."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed_weight: torch.Tensor | None = None  # oneDNN's copy, where the plan uses it
+    gemm_plan: GemmPlan | None = None  # None until planned: onednn wherever a packed copy exists
+    upcast_weight: torch.Tensor | None = None  # float32 copy of a bfloat16 weight oneDNN cannot pack here
+    upcast_bias: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the weight for oneDNN (again after sleep mode's wake-up), unless its plan never uses oneDNN; or
+        upcast a bfloat16 weight once where oneDNN cannot pack it."""
+        on_cpu = self.weight.device.type == "cpu"
+        if on_cpu and self.weight.dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16):
+            self.upcast_weight = self.weight.detach().float()
+            self.upcast_bias = None if self.bias is None else self.bias.detach().float()
+            return
+        wanted = self.gemm_plan is None or any(self.gemm_plan.use_onednn)
+        self.packed_weight = pack_weight(self.weight) if wanted and on_cpu and onednn_packs(self.weight.dtype) else None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y = x W^T + bias, by the plan's kernel for x's rows; F.linear where nothing was packed (on a GPU: cuBLAS)."""
+        if self.upcast_weight is not None:
+            assert bias is None or bias is self.bias, "the upcast path adds the layer's own bias or none"
+            return F.linear(x.float(), self.upcast_weight, None if bias is None else self.upcast_bias).to(x.dtype)
+        packed, plan = self.packed_weight, self.gemm_plan
+        if packed is None or (plan is not None and not plan.onednn_for(x.shape[0])):
+            return F.linear(x, self.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def kernel_name(self) -> str:
+        """The kernel this layer runs on CPU, for the start-up line."""
+        if self.upcast_weight is not None:
+            return "sgemm_fp32"
+        return "planned" if self.packed_weight is not None else "sgemm"
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack and run weights of `dtype` on this CPU: float32 wherever torch has oneDNN; bfloat16
+    only where oneDNN's own ISA check passes (torch reports it), since packing raises on other CPUs."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [out, in] in oneDNN's layout; usable only by the `onednn` kernel."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def plan_linears(model: nn.Module) -> None:
+    """Give every packed layer of `model` the plan of its shape, from the user cache or timed now (one line says
+    so), and drop the packed copies of shapes whose plan never uses oneDNN."""
+    layers: dict[Shape, list[CpuGemmMixin]] = {}
+    for module in model.modules():
+        if isinstance(module, CpuGemmMixin) and module.packed_weight is not None:
+            out_features, in_features = module.weight.shape
+            layers.setdefault((out_features, in_features, module.bias is not None), []).append(module)
+    unplanned = sorted({m.kernel_name() for m in model.modules() if isinstance(m, CpuGemmMixin)} - {"planned"})
+    if unplanned:
+        show_info(logger)
+        logger.info("cpu linear kernels: %s%s", ", ".join(unplanned), _why_not_onednn(model))
+    if not layers:
+        return
+    dtype, threads = next(iter(layers.values()))[0].weight.dtype, torch.get_num_threads()
+    shapes = sorted(layers)
+    key = content_key("gemm_plans", repr(shapes), str(dtype), str(threads), cpu_flags(), torch.__version__,
+                      repr(ROW_BUCKETS), sys.implementation.cache_tag)
+    folder = cache_path("gemm_plans", key)
+
+    def time_into(tmp: Path) -> dict[Shape, GemmPlan]:
+        plans, figures = {}, {}
+        for shape in shapes:
+            plans[shape], figures[f"{shape[0]}x{shape[1]}"] = time_kernels(layers[shape][0])
+        (tmp / "plans.json").write_text(json.dumps({
+            "dtype": str(dtype), "threads": threads, "row_buckets": ROW_BUCKETS, "gflops": figures,
+            "plans": [[*shape, plans[shape].use_onednn] for shape in shapes]}))
+        return plans
+
+    plans = build_once(folder, time_into, f"raylm: timing the CPU linear kernels for {len(shapes)} weight shapes "
+                                          f"({threads} threads; once per machine, a few seconds)...")
+    if plans is None:
+        saved = json.loads((folder / "plans.json").read_text())["plans"]
+        plans = {(out_f, in_f, bias): GemmPlan(tuple(onednn)) for out_f, in_f, bias, onednn in saved}
+    for shape, modules in layers.items():
+        for module in modules:
+            module.gemm_plan = plans[shape]
+            module.process_weights_after_loading()
+    show_info(logger)
+    logger.info("cpu linear kernels (%d threads): %s", threads,
+                "; ".join(f"{out_f}x{in_f}: {plans[(out_f, in_f, b)].describe()}" for out_f, in_f, b in shapes))
+
+
+def _why_not_onednn(model: nn.Module) -> str:
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, CpuGemmMixin)}
+    if torch.bfloat16 in dtypes and not onednn_packs(torch.bfloat16):
+        return (" (bfloat16 weights upcast to float32 once: oneDNN's bfloat16 kernels need AVX-512 BW/VL/DQ or "
+                f"AVX-NE-CONVERT, and this CPU has {torch.backends.cpu.get_cpu_capability()})")
+    return ""
+
+
+def time_kernels(layer: CpuGemmMixin) -> tuple[GemmPlan, dict[str, list[float]]]:
+    """Times both kernels on the layer's weight at every row bucket, their calls interleaved (best of
+    _TIMED_ROUNDS each); returns the plan and the GFLOP/s of each kernel per bucket timed."""
+    weight, packed = layer.weight, layer.packed_weight
+    assert packed is not None
+    out_features, in_features = weight.shape
+    bias = None if layer.bias is None else torch.zeros_like(layer.bias)
+    choices: list[bool] = []
+    figures: dict[str, list[float]] = {"sgemm": [], "onednn": []}
+    for rows in ROW_BUCKETS:
+        flops = 2.0 * rows * out_features * in_features
+        if choices and flops > _MAX_TIMED_FLOPS:
+            choices.append(choices[-1])
+            continue
+        best = _best_seconds(torch.randn(rows, in_features, dtype=weight.dtype), weight, packed, bias)
+        for name, seconds in best.items():
+            figures[name].append(round(flops / seconds / 1e9, 1))
+        choices.append(best["onednn"] < best["sgemm"])
+    return GemmPlan(tuple(choices)), figures
+
+
+def _best_seconds(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                  ) -> dict[str, float]:
+    calls: dict[str, Callable[[], torch.Tensor]] = {
+        "sgemm": lambda: F.linear(x, weight, bias),
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
+    }
+    best = {name: float("inf") for name in calls}
+    for round_index in range(_TIMED_ROUNDS + 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if round_index:  # round 0 warms up: oneDNN creates its primitive, the caches fill
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best

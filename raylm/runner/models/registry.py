@@ -1,0 +1,34 @@
+"""config.json `architectures[0]` -> model class."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from raylm.runner.models.llama import LlamaForCausalLM
+from raylm.runner.models.mixtral import MixtralForCausalLM
+from raylm.runner.models.qwen2 import Qwen2ForCausalLM
+from raylm.runner.models.qwen3 import Qwen3ForCausalLM
+from raylm.runner.models.qwen3_moe import Qwen3MoeForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+def get_model_cls(hf_config: PretrainedConfig) -> type[nn.Module]:
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(f"the model config names no architecture; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if architectures[0] not in _MODELS:
+        raise ValueError(f"unsupported model architecture {architectures[0]!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return _MODELS[architectures[0]]

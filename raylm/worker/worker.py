@@ -1,0 +1,211 @@
+"""Worker: the device owner. Executors call these methods on every rank, in the same order."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raylm.common import tracing
+from raylm.common.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
+from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
+from raylm.configs import EngineConfig
+from raylm.configs.model_info import ModelInfo
+from raylm.runner.model_runner import ModelRunner
+from raylm.runner.parallel_state import (
+    get_dp_group,
+    get_pp_group,
+    init_distributed_environment,
+    init_model_parallel,
+)
+from raylm.runner.platform import device_type
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """One worker's memory, in bytes: the budget (gpu_memory_utilization of the device less what other processes
+    hold; kv_cache_memory_gib on CPU), what the weights, the activation peak and the CUDA graphs take of it, and what
+    is left for the KV cache."""
+
+    rank: int
+    budget: int
+    weights: int
+    peak_activations: int
+    cudagraphs: int
+    available: int
+
+    def describe(self) -> str:
+        def gib(n: int) -> str:
+            return f"{n / _GIB:.2f} GiB"
+
+        return (f"rank {self.rank}: budget {gib(self.budget)} - weights {gib(self.weights)} - activation peak "
+                f"{gib(self.peak_activations)} - CUDA graphs {gib(self.cudagraphs)} = {gib(self.available)} for the "
+                f"KV cache")
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None, num_threads: int | None = None,
+                 data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
+        self.config = config
+        self.model_info = model_info
+        self.rank = rank  # within the engine; the global rank adds data_parallel.rank * world_size
+        self.data_parallel = data_parallel
+        self.local_rank = local_rank  # the CUDA device index in this process
+        self.distributed_init_method = distributed_init_method
+        self.num_threads = num_threads
+        self.device: torch.device | None = None
+        self.num_steps = 0  # execute_model calls: the timeline's step number, equal to the engine's
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        if self.config.observability_config.trace_file:
+            pp, tp = divmod(self.rank, self.config.parallel_config.tensor_parallel_size)
+            tracing.enable(f"rank {self.rank} (TP {tp}, PP {pp})", pid=1 + self.rank)
+        kind = device_type(self.config.model_config)
+        if kind == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            if self.num_threads:
+                torch.set_num_threads(self.num_threads)
+        parallel = self.config.parallel_config
+        backend = "nccl" if kind == "cuda" else "gloo"
+        dp = self.data_parallel
+        init_distributed_environment(dp.size * parallel.world_size, dp.rank * parallel.world_size + self.rank,
+                                     self.distributed_init_method, backend, store_elsewhere=dp.size > 1)
+        init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, dp.size,
+                            parallel.enable_expert_parallel, backend=backend)
+        torch.manual_seed(self.config.model_config.seed)
+        self.model_runner = ModelRunner(self.config, self.model_info, self.device)
+
+    def load_model(self) -> None:
+        self._runner().load_model()
+
+    def memory_profile(self) -> MemoryProfile:
+        """What this worker can give to the KV cache, and why: on CUDA from a max-size profiling forward (the real
+        attention backend and the sampler at full batch) plus the CUDA-graph estimate; on CPU the setting."""
+        runner = self._runner()
+        assert self.device is not None
+        if self.device.type == "cpu":
+            budget = int(self.config.cache_config.kv_cache_memory_gib * _GIB)
+            return MemoryProfile(self.rank, budget, 0, 0, 0, budget)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        scratch_kv = runner.profile_run()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        budget = int(total * self.config.cache_config.gpu_memory_utilization - used_by_others)
+        peak = torch.cuda.max_memory_allocated() - weights - scratch_kv
+        # The CUDA graphs captured after the KV cache need their own memory beyond the profile run's peak.
+        graphs = runner.cudagraph_memory_estimate()
+        return MemoryProfile(self.rank, budget, weights, peak, graphs, max(0, budget - weights - peak - graphs))
+
+    def sleep(self, level: int = 1) -> int:
+        """Free the KV cache and offload (1) or drop (2) the weights (runner/sleep_mode.py); returns bytes freed."""
+        return self._runner().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._runner().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self._runner().is_sleeping()
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes the weights and the KV cache hold now (to check that sleep frees them)."""
+        return self._runner().device_bytes()
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self._runner().kv_cache_bytes_per_block()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._runner().initialize_kv_cache(num_blocks)
+        # Graphs read the KV cache at fixed addresses: they are captured once it exists.
+        self.compile_or_warm_up_model()
+
+    def compile_or_warm_up_model(self) -> None:
+        """Capture the CUDA graphs (CUDA only; on CPU every forward runs eagerly), logging time and memory."""
+        runner = self._runner()
+        assert self.device is not None
+        if self.device.type != "cuda":
+            return
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        num_graphs = runner.capture_model()
+        if num_graphs:
+            torch.cuda.synchronize()
+            used = free_before - torch.cuda.mem_get_info()[0]
+            logger.info("captured %d CUDA graphs (sizes %s) in %.1f s, %.2f GiB", num_graphs,
+                        runner.cudagraph_dispatcher.full_capture_sizes, time.perf_counter() - start, used / _GIB)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run this rank's pipeline stage: receive from the previous stage, forward, send to the next. None: the
+        step's tokens come from sample_tokens (on the last stage) or from another rank."""
+        runner = self._runner()
+        pp = get_pp_group()
+        tracing.set_step(self.num_steps)
+        self.num_steps += 1
+        intermediate: IntermediateTensors | None = None
+        # Every stage sees the same SchedulerOutput, so all agree on whether anything is sent.
+        if not pp.is_first_rank and scheduler_output.total_num_scheduled_tokens > 0:
+            with tracing.span("pp_recv"):
+                intermediate = IntermediateTensors(pp.recv_tensor_dict())
+        with tracing.span("execute_model", num_tokens=scheduler_output.total_num_scheduled_tokens):
+            output = runner.execute_model(scheduler_output, intermediate)
+        if isinstance(output, IntermediateTensors):
+            with tracing.span("pp_send"):
+                pp.send_tensor_dict(output.tensors)
+            return None
+        return output
+
+    def sample_tokens(self) -> ModelRunnerOutput | None:
+        with tracing.span("sample_tokens"):
+            return self._runner().sample_tokens()
+
+    def drain_trace(self) -> list[dict[str, Any]]:
+        """This process's timeline events since the last drain (runner/tracing.py)."""
+        return tracing.drain()
+
+    def execute_dummy_batch(self) -> None:
+        """A forward with no requests, so that this idle DP rank joins the collectives of the ranks that have work.
+        Every pipeline stage runs its own (no stage-to-stage traffic): only the DP and EP groups need the call."""
+        with tracing.span("dummy_batch"):
+            self._runner().execute_dummy_batch()
+
+    def forward_counts(self) -> tuple[int, int]:
+        """(forwards run, DP batch coordinations joined) so far: equal on every rank of lock-step DP engines."""
+        runner = self._runner()
+        return runner.num_forwards, runner.num_dp_coordinations
+
+    def batch_execution_counts(self) -> dict[str, int]:
+        """Forwards run padded, and micro-batched, so far (how the batch decisions went)."""
+        runner = self._runner()
+        return {"padded": runner.num_padded_forwards, "ubatched": runner.num_ubatched_forwards}
+
+    def has_unfinished_across_dp(self, has_unfinished: bool) -> bool:
+        """Whether any lock-step DP engine still has requests: every DP rank asks at the same step, so this collective
+        pairs up like the forwards do."""
+        return get_dp_group().any_true(has_unfinished)
+
+    def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`method` by name, or a function called as `method(worker, *args, **kwargs)`."""
+        if callable(method):
+            return method(self, *args, **kwargs)
+        return getattr(self, method)(*args, **kwargs)
+
+    def check_health(self) -> bool:
+        return self.model_runner is not None
+
+    def _runner(self) -> ModelRunner:
+        assert self.model_runner is not None, "init_device first"
+        return self.model_runner
