@@ -22,11 +22,11 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raylm.cluster.config_resolver import resolve_engine_config  # noqa: E402
 from raylm.cluster.tiny_model import make_tiny_model  # noqa: E402
 from raylm.common.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput  # noqa: E402
 from raylm.common.sampling_params import SamplingParams  # noqa: E402
 from raylm.configs import make_engine_config  # noqa: E402
-from raylm.configs.model_info import read_model_info  # noqa: E402
 from raylm.executor import Executor  # noqa: E402
 
 
@@ -110,9 +110,10 @@ def main() -> None:
     warmup = min(200, args.steps)
     rows = []
     for backend, tp, async_scheduling in [("uni", 1, False), ("uni", 1, True), ("ray", 1, False), ("ray", 2, False)]:
-        config = make_engine_config(model=str(model), tensor_parallel_size=tp, distributed_executor_backend=backend,
-                                    async_scheduling=async_scheduling)
-        executor = Executor.get_class(config)(config, read_model_info(config.model_config, "cpu"))
+        config = resolve_engine_config(make_engine_config(
+            model=str(model), device="cpu", tensor_parallel_size=tp, distributed_executor_backend=backend,
+            async_scheduling=async_scheduling))
+        executor = Executor.get_class(config)(config)
         try:
             times = time_executor(executor, scheduler_output, args.steps + warmup)[warmup:]
         finally:

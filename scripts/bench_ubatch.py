@@ -25,11 +25,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raylm.cluster.config_resolver import resolve_engine_config  # noqa: E402
 from raylm.cluster.tiny_model import make_tiny_model  # noqa: E402
 from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from raylm.common.sampling_params import SamplingParams  # noqa: E402
 from raylm.configs import make_engine_config  # noqa: E402
-from raylm.configs.model_info import read_model_info  # noqa: E402
 from raylm.runner.model_runner import ModelRunner  # noqa: E402
 from raylm.runner.parallel_state import init_distributed_environment, init_model_parallel  # noqa: E402
 
@@ -41,11 +41,11 @@ DBO = dict(enable_dbo=True, dbo_decode_token_threshold=1, dbo_prefill_token_thre
 
 def make_runner(model: str, max_tokens: int, dbo: bool) -> ModelRunner:
     # A decode batch of max_tokens requests starts with their prompts in one step.
-    config = make_engine_config(model=model, data_parallel_size=2, enable_expert_parallel=True,
-                                max_num_batched_tokens=max_tokens * PROMPT_LEN, max_num_seqs=max_tokens,
-                                max_model_len=256,
-                                block_size=BLOCK_SIZE, **(DBO if dbo else {}))
-    runner = ModelRunner(config, read_model_info(config.model_config, "cpu"), torch.device("cpu"))
+    config = resolve_engine_config(make_engine_config(
+        model=model, device="cpu", data_parallel_size=2, enable_expert_parallel=True,
+        max_num_batched_tokens=max_tokens * PROMPT_LEN, max_num_seqs=max_tokens, max_model_len=256,
+        block_size=BLOCK_SIZE, **(DBO if dbo else {})))
+    runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(max_tokens * 2 + 8)
     return runner
@@ -110,8 +110,8 @@ def _rank(rank: int, store: str, model: str, sizes: list[int], repeats: int, out
             rows.append(dict(kind=kind, tokens=size, eager_ms=1e3 * statistics.median(times[False]),
                              dbo_ms=1e3 * statistics.median(times[True])))
     # Both ranks always have the same batch: every forward with micro-batching on was cut in two.
-    assert runners[True].num_ubatched_forwards == runners[True].num_forwards
-    assert runners[False].num_ubatched_forwards == 0
+    assert runners[True].counts.ubatched == runners[True].counts.forwards
+    assert runners[False].counts.ubatched == 0
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(rows))
 
 

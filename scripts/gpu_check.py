@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raylm.cluster.tiny_model import make_tiny_model  # noqa: E402
 from raylm.common.sampling_params import SamplingParams  # noqa: E402
-from raylm.runner.attention import get_attn_backend  # noqa: E402
+from raylm.runner.attention import choose_attn_backend  # noqa: E402
 from scripts.bench_common import vocab_size  # noqa: E402
 from scripts.gpu_measure import (  # noqa: E402
     GREEDY,
@@ -123,7 +123,7 @@ def check_throughput(check: GpuCheck) -> None:
     batch = prompts(64, 128, 512, vocab_size(check.qwen), seed=1)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     block_size = FLASH["block_size"] if installed("flash_attn") else 16  # what lets `auto` pick flash_attn
-    backend = get_attn_backend("auto", "cuda", torch.bfloat16, block_size).name
+    backend = choose_attn_backend("auto", "cuda", torch.bfloat16, block_size)
     llm = make_llm(check.qwen, dtype="bfloat16", block_size=block_size, max_model_len=1024, max_num_seqs=64,
                    gpu_memory_utilization=0.5)
     try:

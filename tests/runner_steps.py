@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 
+from raylm.cluster.config_resolver import resolve_engine_config
 from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.common.sampling_params import SamplingParams
-from raylm.configs import make_engine_config
-from raylm.configs.model_info import read_model_info
+from raylm.configs import EngineConfig, make_engine_config
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
 
@@ -25,9 +25,14 @@ def model_parallel_of_one() -> None:
     init_model_parallel()
 
 
+def resolved_config(**settings: Any) -> EngineConfig:
+    """The settings as an engine's layers take them: every `auto` decided (raylm/cluster/config_resolver.py)."""
+    return resolve_engine_config(make_engine_config(**settings))
+
+
 def make_runner(model: Path | str, num_blocks: int = 32, device: str = "cpu", **settings: Any) -> ModelRunner:
-    config = make_engine_config(model=str(model), **{**RUNNER_DEFAULTS, **settings})
-    runner = ModelRunner(config, read_model_info(config.model_config, device), torch.device(device))
+    config = resolved_config(model=str(model), device=device, **{**RUNNER_DEFAULTS, **settings})
+    runner = ModelRunner(config, torch.device(device))
     runner.load_model()
     runner.initialize_kv_cache(num_blocks)
     return runner

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import raylm.runner.attention
-from raylm.runner.attention import FlashAttentionBackend, TorchAttentionBackend, get_attn_backend
+from raylm.runner.attention import FlashAttentionBackend, TorchAttentionBackend, choose_attn_backend
 from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.attention.flash_attn_backend import unavailable_reason
 from tests import flash_attn_reference
@@ -27,14 +27,14 @@ def test_reasons_name_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "CUDA" in unavailable_reason(torch.device("cpu"), torch.bfloat16, 256)
     assert "float16 or bfloat16" in unavailable_reason(cuda, torch.float32, 256)
     assert "multiple of 256 (block_size here: 16)" in unavailable_reason(cuda, torch.bfloat16, 16)
-    assert isinstance(get_attn_backend("flash_attn", cuda, torch.float16, 512), FlashAttentionBackend)
-    assert not isinstance(get_attn_backend("auto", cuda, torch.float16, 16), FlashAttentionBackend)
+    assert choose_attn_backend("flash_attn", cuda, torch.float16, 512) == FlashAttentionBackend.name
+    assert choose_attn_backend("auto", cuda, torch.float16, 16) != FlashAttentionBackend.name
 
 
 def test_not_installed_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     with pytest.raises(ValueError, match=r"flash-attn package does not import.*raylm\[flash\]"):
-        get_attn_backend("flash_attn", "cuda", torch.bfloat16, 256)
+        choose_attn_backend("flash_attn", "cuda", torch.bfloat16, 256)
 
 
 @pytest.mark.usefixtures(model_parallel_of_one.__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylm.runner.attention import get_attn_backend
+from raylm.runner.attention import choose_attn_backend
 from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.attention.torch_backend import TorchAttentionBackend
 
@@ -69,15 +69,15 @@ def _run(query_lens: list[int], seq_lens: list[int], seed: int = 0,
     return output, expected, kv_cache, block_tables
 
 
-def test_get_attn_backend() -> None:
-    assert isinstance(get_attn_backend("auto", "cpu", torch.float32, block_size=4), TorchAttentionBackend)
-    assert isinstance(get_attn_backend("auto", "cpu", torch.bfloat16), TorchAttentionBackend)
-    assert isinstance(get_attn_backend("torch", "cpu"), TorchAttentionBackend)
+def test_choose_attn_backend() -> None:
+    assert choose_attn_backend("auto", "cpu", torch.float32, block_size=4) == TorchAttentionBackend.name
+    assert choose_attn_backend("auto", "cpu", torch.bfloat16) == TorchAttentionBackend.name
+    assert choose_attn_backend("torch", "cpu") == TorchAttentionBackend.name
     # triton: tests/test_attention_triton.py; flash_attn runs 16-bit on CUDA with pages of 256 tokens
     with pytest.raises(ValueError, match="attention_backend 'flash_attn' is not available: "):
-        get_attn_backend("flash_attn", "cpu", torch.float16, block_size=256)
+        choose_attn_backend("flash_attn", "cpu", torch.float16, block_size=256)
     with pytest.raises(ValueError, match="unknown attention backend"):
-        get_attn_backend("nope", "cpu")
+        choose_attn_backend("nope", "cpu")
 
 
 def test_slot_mapping_writes_land_in_their_slots() -> None:

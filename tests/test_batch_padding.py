@@ -103,9 +103,9 @@ def serve(runner: ModelRunner) -> tuple[list[dict[str, list[int]]], list[torch.T
         sampled, step_logits = run_step(runner, out)
         tokens.append(sampled)
         logits.append(step_logits)
-        real = set(runner.slot_mapping.np[:out.total_num_scheduled_tokens].tolist())
+        real = set(runner.buffers.slot_mapping.np[:out.total_num_scheduled_tokens].tolist())
         for old, new in zip(before, runner.kv_caches):
-            assert written_slots(runner.attn_backend, old, new) - {runner.scratch_slot} == real
+            assert written_slots(runner.attn_backend, old, new) - {runner.graphs.scratch_slot} == real
     return tokens, logits
 
 
@@ -115,11 +115,10 @@ def serve(runner: ModelRunner) -> tuple[list[dict[str, list[int]]], list[torch.T
 def test_padded_runner_samples_the_same(llama_path: Path, attention_backend: str, block_size: int) -> None:
     settings = dict(attention_backend=attention_backend, block_size=block_size)
     expected_tokens, expected_logits = serve(make_runner(llama_path, **settings))
-    # 13 never matches a batch here: every step is padded (decodes of 2 requests to 3, the rest to 13).
-    runner = make_runner(llama_path, cudagraph_capture_sizes=[3, 13], cudagraph_mode="FULL_AND_PIECEWISE",
-                         **settings)
+    # 13 never matches a batch here: the decodes of 2 requests are padded to 3 (mixed batches run unpadded).
+    runner = make_runner(llama_path, cudagraph_capture_sizes=[3, 13], **settings)
     tokens, logits = serve(runner)
-    assert runner.num_padded_forwards == len(tokens)
+    assert runner.counts.padded == 4
     assert tokens == expected_tokens
     for ours, reference in zip(logits, expected_logits):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
@@ -138,7 +137,8 @@ class EagerGraphs:
 
     def replay(self, num_tokens: int) -> torch.Tensor:
         self.replayed.append(num_tokens)
-        return self.runner._decode_graph_forward(num_tokens)
+        assert self.runner.model is not None and self.runner.graphs is not None
+        return self.runner.graphs.forward(self.runner.model, num_tokens)
 
 
 def check_replay_path_samples_the_same(llama_path: Path, **settings: Any) -> ModelRunner:
@@ -147,7 +147,7 @@ def check_replay_path_samples_the_same(llama_path: Path, **settings: Any) -> Mod
     expected_tokens, expected_logits = serve(make_runner(llama_path, **settings))
     runner = make_runner(llama_path, cudagraph_capture_sizes=[4, 8], **settings)
     graphs = EagerGraphs(runner)
-    runner.graph_runner = graphs  # type: ignore[assignment]
+    runner.graphs.runner = graphs  # type: ignore[assignment, union-attr]
     tokens, logits = serve(runner)
     assert graphs.replayed == [4, 4, 4, 4]  # the decode steps of 2 requests, padded to 4
     assert tokens == expected_tokens
@@ -159,7 +159,7 @@ def check_replay_path_samples_the_same(llama_path: Path, **settings: Any) -> Mod
 @pytest.mark.usefixtures(model_parallel_of_one.__name__)
 def test_fixed_buffer_decode_replay_path_samples_the_same(llama_path: Path) -> None:
     runner = check_replay_path_samples_the_same(llama_path, attention_backend="torch", block_size=4)
-    assert runner.scratch_slot == 32 * 4  # the block past the scheduler's 32
+    assert runner.graphs.scratch_slot == 32 * 4  # the block past the scheduler's 32
 
 
 @pytest.mark.usefixtures(model_parallel_of_one.__name__)

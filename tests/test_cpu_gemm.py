@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig
 
 from raylm.runner.layers import cpu_gemm
 from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, CpuGemmMixin, GemmPlan, plan_linears
@@ -50,7 +51,7 @@ def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm
         return real_time_kernels(layer)
 
     monkeypatch.setattr(cpu_gemm, "time_kernels", counting)
-    model = load_model(llama_path)
+    model = load_model(llama_path, AutoConfig.from_pretrained(llama_path))
     layers = [m for m in model.modules() if isinstance(m, CpuGemmMixin)]
     shapes = {tuple(m.weight.shape) for m in layers}
     assert sorted(timed) == sorted(shapes), "each shape is timed once, whatever its number of layers"
@@ -59,7 +60,7 @@ def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm
 
     # A second load (another worker, a later start-up) reads the plans instead of timing again.
     timed.clear()
-    again = load_model(llama_path)
+    again = load_model(llama_path, AutoConfig.from_pretrained(llama_path))
     assert timed == []
     plans = {tuple(m.weight.shape): m.gemm_plan for m in layers}
     assert all(plans[tuple(m.weight.shape)] == m.gemm_plan for m in again.modules() if isinstance(m, CpuGemmMixin))

@@ -12,7 +12,7 @@ from test_attention_torch import make_common_metadata
 
 from raylm.configs import make_engine_config
 from raylm.runner import cpu_kernels
-from raylm.runner.attention import CPUAttentionBackend, TorchAttentionBackend, get_attn_backend
+from raylm.runner.attention import CPUAttentionBackend, TorchAttentionBackend, choose_attn_backend
 from raylm.runner.layers.activation import SiluAndMul
 from raylm.runner.layers.layernorm import RMSNorm
 from raylm.runner.layers.rotary_embedding import RotaryEmbedding, _default_inv_freq
@@ -111,18 +111,18 @@ def test_cpu_backend_matches_torch_backend(query_lens: list[int], seq_lens: list
 
 
 def test_backend_choice_and_errors() -> None:
-    assert isinstance(get_attn_backend("auto", "cpu", torch.float32, 16), CPUAttentionBackend)
-    assert isinstance(get_attn_backend("auto", "cpu", torch.float32, 8), TorchAttentionBackend)
+    assert choose_attn_backend("auto", "cpu", torch.float32, 16) == CPUAttentionBackend.name
+    assert choose_attn_backend("auto", "cpu", torch.float32, 8) == TorchAttentionBackend.name
     with pytest.raises(ValueError, match="multiple of 16"):
-        get_attn_backend("cpu", "cpu", torch.float32, 8)
+        choose_attn_backend("cpu", "cpu", torch.float32, 8)
     with pytest.raises(ValueError, match="float32 on CPU"):
-        get_attn_backend("cpu", "cpu", torch.bfloat16, 16)
+        choose_attn_backend("cpu", "cpu", torch.bfloat16, 16)
     with pytest.raises(ValueError, match="custom_ops='none'"):
         make_engine_config(attention_backend="cpu", custom_ops="none")
 
 
 def test_disabled_kernels_pick_the_torch_backend(plain_torch: None) -> None:
-    assert isinstance(get_attn_backend("auto", "cpu", torch.float32, 16), TorchAttentionBackend)
+    assert choose_attn_backend("auto", "cpu", torch.float32, 16, custom_ops=False) == TorchAttentionBackend.name
     assert cpu_kernels.ops_for(torch.zeros(1)) is None
 
 

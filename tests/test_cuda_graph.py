@@ -39,10 +39,10 @@ def serve(runner: ModelRunner, batch: int, steps: Steps) -> tuple[list[dict[str,
 def check_replay_equals_eager(model: Path, tolerance: float, **settings: Any) -> None:
     graphed = make_runner(model, cudagraph_capture_sizes=CAPTURE_SIZES, **SETTINGS, **settings)
     assert graphed.capture_model() == len(CAPTURE_SIZES)
-    assert graphed.graph_runner is not None
+    assert graphed.graphs is not None and graphed.graphs.runner is not None
     replayed: list[int] = []
-    replay = graphed.graph_runner.replay
-    graphed.graph_runner.replay = lambda n: replayed.append(n) or replay(n)  # type: ignore[method-assign]
+    replay = graphed.graphs.runner.replay
+    graphed.graphs.runner.replay = lambda n: replayed.append(n) or replay(n)  # type: ignore[method-assign]
     eager = make_runner(model, enforce_eager=True, **SETTINGS, **settings)
     graphed_steps, eager_steps = Steps(graphed.block_size), Steps(eager.block_size)
     for batch in range(1, max(CAPTURE_SIZES) + 1):

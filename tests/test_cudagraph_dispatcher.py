@@ -12,15 +12,17 @@ import pytest
 
 from raylm.configs import make_engine_config
 from raylm.runner.batch_descriptor import CUDAGraphMode
-from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher, default_capture_sizes
+from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher, default_capture_sizes, resolve_cudagraph_mode
 from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_step
 
-NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+NONE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
 
 
-def dispatcher(device: str = "cpu", allow_full: bool = True, **settings: Any) -> CudagraphDispatcher:
+def dispatcher(device: str = "cpu", why_no_full: str | None = None, **settings: Any) -> CudagraphDispatcher:
     config = make_engine_config(**settings)
-    return CudagraphDispatcher(config.compilation_config, config.scheduler_config, device, allow_full)
+    compilation = config.compilation_config
+    resolved = compilation.model_copy(update={"cudagraph_mode": resolve_cudagraph_mode(compilation, device)})
+    return CudagraphDispatcher(resolved, config.scheduler_config, device, why_no_full)
 
 
 def test_default_capture_sizes_are_vllms() -> None:
@@ -63,28 +65,32 @@ def test_eager_settings(settings: dict[str, Any]) -> None:
 
 
 def test_custom_sizes_and_modes() -> None:
-    d = dispatcher("cpu", cudagraph_capture_sizes=[10, 3, 3], cudagraph_mode="FULL_AND_PIECEWISE")
+    d = dispatcher("cpu", cudagraph_capture_sizes=[10, 3, 3])
     assert d.capture_sizes == [3, 10]
     assert d.dispatch(1, True) == (FULL, 3)
-    assert d.dispatch(4, False) == (PIECEWISE, 10)
-    assert d.dispatch(11, False) == (NONE, 11)
-    assert dispatcher("cpu", cudagraph_capture_sizes=[4], cudagraph_mode="PIECEWISE").dispatch(2, True) == (
-        PIECEWISE, 4)
+    assert d.dispatch(4, False) == (NONE, 4)  # a mixed batch runs eagerly, unpadded
+    assert d.dispatch(11, True) == (NONE, 11)
     # vLLM's FULL would capture mixed batches too: raylm's graphs are uniform-decode only, mixed batches run eagerly.
     assert dispatcher("cpu", cudagraph_capture_sizes=[4], cudagraph_mode="FULL").dispatch(2, False) == (NONE, 2)
     # Sizes past the step's token budget can never be used.
     assert dispatcher("cpu", cudagraph_capture_sizes=[4, 4096], max_num_batched_tokens=64).capture_sizes == [4]
-    # A FULL graph of more requests than the batch holds: the mixed mode instead.
-    d = dispatcher("cpu", cudagraph_capture_sizes=[4, 16], cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=8)
-    assert d.dispatch(6, True) == (PIECEWISE, 16) and d.full_capture_sizes == [4]
+    # A FULL graph of more requests than the batch holds: eager instead.
+    d = dispatcher("cpu", cudagraph_capture_sizes=[4, 16], max_num_seqs=8)
+    assert d.dispatch(6, True) == (NONE, 6) and d.full_capture_sizes == [4]
 
 
 def test_models_without_full_graphs() -> None:
-    """Models that read back to the host mid-forward (MoE under expert parallel, pipeline stages): no FULL, the mixed
-    batches' mode instead."""
-    assert dispatcher("cuda", allow_full=False).dispatch(3, True) == (NONE, 3)
-    d = dispatcher("cuda", allow_full=False, cudagraph_mode="FULL_AND_PIECEWISE")
-    assert d.dispatch(3, True) == (PIECEWISE, 4) and d.full_capture_sizes == []
+    """Models that read back to the host mid-forward (MoE under expert parallel, pipeline stages): no FULL graphs,
+    uniform decode batches run eagerly too."""
+    d = dispatcher("cuda", why_no_full="pipeline stages exchange tensors between forwards")
+    assert d.dispatch(3, True) == (NONE, 3) and d.full_capture_sizes == []
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_piecewise_modes_are_refused_with_the_reason(mode: str) -> None:
+    """raylm builds no piecewise graphs: the setting is refused instead of padding batches that then run eagerly."""
+    with pytest.raises(ValueError, match=f"cudagraph_mode {mode}: .* piecewise graphs need torch.compile"):
+        make_engine_config(cudagraph_mode=mode)
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -103,26 +109,25 @@ def test_bad_settings_name_the_field(settings: dict[str, Any], message: str) -> 
 
 @pytest.mark.usefixtures(model_parallel_of_one.__name__)
 def test_runner_detects_uniform_decode_and_pads(llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    runner = make_runner(llama_path, cudagraph_capture_sizes=[3, 8], cudagraph_mode="FULL_AND_PIECEWISE",
-                         log_batch_execution=True)
+    runner = make_runner(llama_path, cudagraph_capture_sizes=[3, 8], log_batch_execution=True)
     descriptors = []
-    decide = runner._determine_batch_execution_and_padding
+    assert runner.planner is not None
+    decide = runner.planner.determine_batch_execution_and_padding
 
     def record(*args: Any) -> Any:
         descriptors.append(decide(*args))
         return descriptors[-1]
 
-    runner._determine_batch_execution_and_padding = record  # type: ignore[method-assign]
-    caplog.set_level(logging.INFO, logger="raylm.runner.batch_execution")
+    runner.planner.determine_batch_execution_and_padding = record  # type: ignore[method-assign]
+    caplog.set_level(logging.INFO, logger="raylm.runner.batch_planner")
     steps = Steps()
-    run_step(runner, steps.schedule({"a": [5, 6, 7, 8, 9], "b": [3, 4]}))  # 7 tokens: PIECEWISE, padded to 8
+    run_step(runner, steps.schedule({"a": [5, 6, 7, 8, 9], "b": [3, 4]}))  # 7 tokens, mixed: eager, unpadded
     run_step(runner, steps.schedule(decodes={"a": 1, "b": 1}))  # 2 decodes: FULL, padded to 3
     run_step(runner, steps.schedule({"c": [11, 12, 13]}, {"a": 1}))  # a decode beside a prefill: not uniform
     run_step(runner, steps.schedule({"d": [11] * 9}))  # past the largest size: eager, unpadded
     got = [(d.num_tokens, d.num_reqs, d.uniform_decode, d.cudagraph_mode, d.num_tokens_padded) for d in descriptors]
-    assert got == [(7, 2, False, PIECEWISE, 8), (2, 2, True, FULL, 3), (4, 2, False, PIECEWISE, 8),
-                   (9, 1, False, NONE, 9)]
-    assert runner.num_padded_forwards == 3
+    assert got == [(7, 2, False, NONE, 7), (2, 2, True, FULL, 3), (4, 2, False, NONE, 4), (9, 1, False, NONE, 9)]
+    assert runner.counts.padded == 1
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("forward:")]
     assert lines[1] == ("forward: 2 tokens of 2 requests (uniform decode), padded to 3, cudagraph FULL, "
                         "ubatches none, DP tokens None")

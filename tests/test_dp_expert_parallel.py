@@ -98,6 +98,19 @@ def test_very_uneven_loads(mixtral_dp2: LLM, moe_checkpoints: dict[str, Path]) -
     assert_lockstep(mixtral_dp2, world_size=2)
 
 
+def test_sleep_right_after_generate_waits_for_the_wave(mixtral_dp2: LLM, single_device: dict[str, Result]) -> None:
+    """generate returns while the engines still run the wave's dummy steps (up to WAVE_CHECK_STEPS of them): a sleep
+    then must not free the weights those forwards read (the runner asserts no forward runs asleep, which would end
+    the engine)."""
+    for _ in range(3):
+        ours = generate(mixtral_dp2, [make_prompts()[1]])
+        mixtral_dp2.sleep(level=1)
+        assert mixtral_dp2.llm_engine.engine_core.is_sleeping()
+        mixtral_dp2.wake_up()
+        assert_same_output(ours, [single_device["mixtral"][1]])
+    assert_lockstep(mixtral_dp2, world_size=2)
+
+
 def test_qwen3_moe_dp2_by_tp2_ep_matches_one_device(ray_cluster: Any, moe_checkpoints: dict[str, Path],
                                                      single_device: dict[str, Result]) -> None:
     llm = LLM(model=str(moe_checkpoints["qwen3_moe"]), data_parallel_size=2, tensor_parallel_size=2,

@@ -14,8 +14,6 @@ import torch.multiprocessing as mp
 
 from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.common.sampling_params import SamplingParams
-from raylm.configs import make_engine_config
-from raylm.configs.model_info import read_model_info
 from raylm.runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
 from raylm.runner.dp_utils import (
     DPBatchDecision,
@@ -31,6 +29,7 @@ from raylm.runner.parallel_state import (
     init_distributed_environment,
     init_model_parallel,
 )
+from tests.runner_steps import resolved_config
 
 NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
 PROMPT = [5, 17, 33, 2, 101, 64, 7]
@@ -110,8 +109,8 @@ def test_coordinate_batch_across_dp_over_gloo(tmp_path: Path) -> None:
 # ---- the ModelRunner ------------------------------------------------------------------------------------------
 
 def make_runner(model: str) -> ModelRunner:
-    config = make_engine_config(model=model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
-    runner = ModelRunner(config, read_model_info(config.model_config, "cpu"), torch.device("cpu"))
+    config = resolved_config(model=model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(num_blocks=16)
     return runner
@@ -157,10 +156,10 @@ def test_dummy_batch_is_one_forward_that_changes_nothing(llama_path: Path) -> No
     batch = runner.input_batch
     before = (list(batch.req_ids), batch.num_tokens.copy(), batch.token_ids_cpu.copy(),
               batch.num_computed_tokens_cpu.copy(), [c.clone() for c in runner.kv_caches])
-    num_forwards = runner.num_forwards
+    num_forwards = runner.counts.forwards
     runner.execute_dummy_batch()
-    assert runner.num_forwards == num_forwards + 1
-    assert runner.num_dp_coordinations == 0  # a DP world of one coordinates nothing
+    assert runner.counts.forwards == num_forwards + 1
+    assert get_dp_group().num_cpu_all_reduces == 0  # a DP world of one coordinates nothing
     assert runner.execute_model_state is None
     after = (list(batch.req_ids), batch.num_tokens, batch.token_ids_cpu, batch.num_computed_tokens_cpu,
              runner.kv_caches)
@@ -170,9 +169,9 @@ def test_dummy_batch_is_one_forward_that_changes_nothing(llama_path: Path) -> No
     assert all(torch.equal(old, new) for old, new in zip(before[4], after[4]))
 
     # The request goes on as if no dummy batch had run; an empty step runs no forward at all.
-    num_forwards = runner.num_forwards
+    num_forwards = runner.counts.forwards
     assert runner.execute_model(SchedulerOutput.empty()).req_ids == []
-    assert runner.num_forwards == num_forwards
+    assert runner.counts.forwards == num_forwards
     for index in range(2, 5):
         step(runner, index, tokens, logits)
         runner.execute_dummy_batch()
@@ -186,7 +185,8 @@ def test_padded_forward_samples_the_same(llama_path: Path, monkeypatch: pytest.M
     written for them."""
     expected_tokens, expected_logits = generate(make_runner(str(llama_path)), num_decodes=3)
     runner = make_runner(str(llama_path))
-    decide = runner._determine_batch_execution_and_padding
+    assert runner.planner is not None
+    decide = runner.planner.determine_batch_execution_and_padding
     seen: list[BatchDescriptor] = []
 
     def pad_by_three(num_tokens: int, num_reqs: int, uniform_decode: bool) -> BatchDescriptor:
@@ -194,11 +194,11 @@ def test_padded_forward_samples_the_same(llama_path: Path, monkeypatch: pytest.M
         seen.append(descriptor)
         return descriptor
 
-    monkeypatch.setattr(runner, "_determine_batch_execution_and_padding", pad_by_three)
+    monkeypatch.setattr(runner.planner, "determine_batch_execution_and_padding", pad_by_three)
     tokens, logits = generate(runner, num_decodes=3)
     assert [d.num_tokens for d in seen] == [len(PROMPT), 1, 1, 1]
     assert [d.uniform_decode for d in seen] == [False, True, True, True]
-    assert runner.slot_mapping.np[1:4].tolist() == [-1, -1, -1]  # the last step's padding rows
+    assert runner.buffers.slot_mapping.np[1:4].tolist() == [-1, -1, -1]  # the last step's padding rows
     assert tokens == expected_tokens
     for ours, reference in zip(logits, expected_logits):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
@@ -219,8 +219,8 @@ def _dp_runner(rank: int, store: str, model: str, out_dir: str) -> None:
         runner.execute_dummy_batch()
         assert runner.execute_model(SchedulerOutput.empty()).req_ids == []
         runner.execute_dummy_batch()
-    result = dict(tokens=tokens, descriptors=descriptors, forwards=runner.num_forwards,
-                  coordinations=runner.num_dp_coordinations)
+    result = dict(tokens=tokens, descriptors=descriptors, forwards=runner.counts.forwards,
+                  coordinations=get_dp_group().num_cpu_all_reduces)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     _shutdown()
 

@@ -1,16 +1,19 @@
 """The persistent InputBatch and the packed inputs the ModelRunner prepares from it."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from raylm.cluster.config_resolver import resolve_engine_config
 from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import make_engine_config
-from raylm.configs.model_info import ModelInfo, read_model_info
+from raylm.configs.engine_config import ResolvedConfig
+from raylm.configs.model_info import ModelInfo
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.parallel_state import init_model_parallel
@@ -38,11 +41,13 @@ def test_free_rows_are_reused_and_condensed() -> None:
 
 
 def make_runner(block_size: int = 4) -> ModelRunner:
-    config = make_engine_config(block_size=block_size, max_num_seqs=4, max_num_batched_tokens=64)
-    info = ModelInfo(path="unused", tokenizer="unused", architecture="LlamaForCausalLM", vocab_size=100,
-                     num_hidden_layers=1, max_position_embeddings=64, max_model_len=64, dtype="float32",
-                     eos_token_ids=(1,))
-    return ModelRunner(config, info, torch.device("cpu"))
+    """A runner with no model: its InputBatch and InputBuffers, on a config resolved by hand."""
+    config = make_engine_config(block_size=block_size, max_num_seqs=4, max_num_batched_tokens=64, device="cpu",
+                                dtype="float32", max_model_len=64, attention_backend="torch")
+    info = ModelInfo(path="unused", architecture="LlamaForCausalLM", vocab_size=100, num_hidden_layers=1,
+                     max_position_embeddings=64, checkpoint_dtype="float32", eos_token_ids=(1,))
+    config = dataclasses.replace(config, resolved=ResolvedConfig(info, 1, False, 1))
+    return ModelRunner(config, torch.device("cpu"))
 
 
 def test_slot_mapping_hand_computed() -> None:
@@ -54,16 +59,17 @@ def test_slot_mapping_hand_computed() -> None:
         scheduled_cached_reqs=CachedRequestData(), num_scheduled_tokens={"a": 6, "b": 3},
         total_num_scheduled_tokens=9, finished_req_ids=set())
     runner._update_states(step1)
-    metadata, num_tokens, sampling_rows, logits_indices = runner._prepare_inputs(step1)
-    assert num_tokens == 9
+    buffers = runner.buffers
+    inputs = buffers.prepare(step1, runner.input_batch)
+    assert inputs.num_tokens == 9 and not inputs.uniform_decode
     # a: positions 0..5 in blocks 3, 7 -> slots 12..15, 28, 29; b: a 3-token chunk of its 5 in block 2.
-    assert runner.slot_mapping.np[:9].tolist() == [12, 13, 14, 15, 28, 29, 8, 9, 10]
-    assert runner.positions.np[:9].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
-    assert runner.input_ids.np[:9].tolist() == [20, 21, 22, 23, 24, 25, 30, 31, 32]
-    assert runner.query_start_loc.np[:3].tolist() == [0, 6, 9]
-    assert runner.seq_lens.np[:2].tolist() == [6, 3]
-    assert sampling_rows.tolist() == [0]  # b is a partial prefill: it does not sample
-    assert logits_indices.tolist() == [5]
+    assert buffers.slot_mapping.np[:9].tolist() == [12, 13, 14, 15, 28, 29, 8, 9, 10]
+    assert buffers.positions.np[:9].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    assert buffers.input_ids.np[:9].tolist() == [20, 21, 22, 23, 24, 25, 30, 31, 32]
+    assert buffers.query_start_loc.np[:3].tolist() == [0, 6, 9]
+    assert buffers.seq_lens.np[:2].tolist() == [6, 3]
+    assert inputs.sampling_rows.tolist() == [0]  # b is a partial prefill: it does not sample
+    assert inputs.logits_indices.tolist() == [5]
 
     # Next step: b finishes its prompt (2 tokens, a new block 5), a decodes one token.
     runner.input_batch.append_token(0, 99)
@@ -73,12 +79,12 @@ def test_slot_mapping_hand_computed() -> None:
                                                 num_computed_tokens=[6, 3], new_token_ids=[[], []]),
         num_scheduled_tokens={"a": 1, "b": 2}, total_num_scheduled_tokens=3, finished_req_ids=set())
     runner._update_states(step2)
-    metadata, num_tokens, sampling_rows, logits_indices = runner._prepare_inputs(step2)
-    assert runner.slot_mapping.np[:3].tolist() == [30, 11, 20]
-    assert runner.positions.np[:3].tolist() == [6, 3, 4]
-    assert runner.input_ids.np[:3].tolist() == [99, 33, 34]
-    assert sampling_rows.tolist() == [0, 1] and logits_indices.tolist() == [0, 2]
-    assert np.array_equal(runner.block_table[:2, :2].numpy(), [[3, 7], [2, 5]])
+    inputs = buffers.prepare(step2, runner.input_batch)
+    assert buffers.slot_mapping.np[:3].tolist() == [30, 11, 20]
+    assert buffers.positions.np[:3].tolist() == [6, 3, 4]
+    assert buffers.input_ids.np[:3].tolist() == [99, 33, 34]
+    assert inputs.sampling_rows.tolist() == [0, 1] and inputs.logits_indices.tolist() == [0, 2]
+    assert np.array_equal(buffers.block_table[:2, :2].numpy(), [[3, 7], [2, 5]])
 
 
 def test_second_execute_model_without_sampling_is_an_error() -> None:
@@ -91,7 +97,7 @@ def test_second_execute_model_without_sampling_is_an_error() -> None:
 def test_profile_run_is_a_full_size_forward(llama_path: Path) -> None:
     config = make_engine_config(model=str(llama_path), max_num_batched_tokens=64, max_num_seqs=4)
     init_model_parallel(1, 1)
-    runner = ModelRunner(config, read_model_info(config.model_config, "cpu"), torch.device("cpu"))
+    runner = ModelRunner(resolve_engine_config(config), torch.device("cpu"))
     runner.load_model()
     scratch_bytes = runner.profile_run()  # before the KV cache: its scratch cache is dropped again
     assert scratch_bytes > 0

@@ -13,14 +13,14 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from test_attention_torch import make_common_metadata
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from raylm.common.outputs import IntermediateTensors
-from raylm.runner.attention import AttentionBackend, get_attn_backend
+from raylm.runner.attention import AttentionBackend, TorchAttentionBackend
 from raylm.runner.forward_context import set_forward_context
 from raylm.runner.layers.attention import Attention
 from raylm.runner.models.llama import LlamaMLP
-from raylm.runner.models.loader import load_hf_config, load_model
+from raylm.runner.models.loader import load_model
 from raylm.runner.models.registry import get_model_cls
 from raylm.runner.models.utils import get_pp_indices
 from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
@@ -65,10 +65,10 @@ def _model_parallel() -> None:
 
 
 def _load(path: Path, pp_rank: int = 0, pp_size: int = 1) -> nn.Module:
-    model = load_model(path, load_hf_config(path), torch.float32, "cpu", pp_rank=pp_rank, pp_size=pp_size)
+    model = load_model(path, AutoConfig.from_pretrained(path), torch.float32, "cpu", pp_rank=pp_rank, pp_size=pp_size)
     for layer in model.modules():
         if isinstance(layer, Attention):
-            layer.kv_cache = torch.zeros(get_attn_backend(block_size=BLOCK_SIZE).get_kv_cache_shape(
+            layer.kv_cache = torch.zeros(TorchAttentionBackend().get_kv_cache_shape(
                 NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_size))
     return model
 
@@ -107,7 +107,7 @@ def _assert_close(ours: torch.Tensor, reference: torch.Tensor) -> None:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_prefill_then_decode_matches_transformers(kind: str, checkpoints: dict[str, tuple[Path, nn.Module]]) -> None:
     path, hf_model = checkpoints[kind]
-    model, backend = _load(path), get_attn_backend(block_size=BLOCK_SIZE)
+    model, backend = _load(path), TorchAttentionBackend()
     prompts = _prompts([5, 17, 1], hf_model.config.vocab_size)
     tables = _block_tables([len(p) + 1 for p in prompts])
     logits = model.compute_logits(_step(model, backend, prompts, [len(p) for p in prompts], tables))
@@ -127,7 +127,7 @@ def test_mlp_in_token_chunks_matches_one_pass(checkpoints: dict[str, tuple[Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Long CPU batches run the MLP in token chunks (to keep its activation in cache); the result is the same."""
     path, hf_model = checkpoints["llama"]
-    model, backend = _load(path), get_attn_backend(block_size=BLOCK_SIZE)
+    model, backend = _load(path), TorchAttentionBackend()
     monkeypatch.setattr(LlamaMLP, "cpu_chunk_tokens", 4)  # 17 tokens: chunks of 4, 4, 4, 4, 1
     prompt = _prompts([17], hf_model.config.vocab_size)[0]
     logits = model.compute_logits(_step(model, backend, [prompt], [17], _block_tables([17])))
@@ -137,7 +137,7 @@ def test_mlp_in_token_chunks_matches_one_pass(checkpoints: dict[str, tuple[Path,
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_chunked_prefill_matches_full_prompt(kind: str, checkpoints: dict[str, tuple[Path, nn.Module]]) -> None:
     path, hf_model = checkpoints[kind]
-    model, backend = _load(path), get_attn_backend(block_size=BLOCK_SIZE)
+    model, backend = _load(path), TorchAttentionBackend()
     long, short = _prompts([17, 5], hf_model.config.vocab_size, seed=3)
     tables = _block_tables([17, 6])
     first = model.compute_logits(_step(model, backend, [long[:8], short], [8, 5], tables))
@@ -161,7 +161,7 @@ def test_dummy_run_without_metadata(checkpoints: dict[str, tuple[Path, nn.Module
 @pytest.mark.parametrize("kind", ["llama", "llama_tied"])
 def test_pipeline_stages_match_transformers(kind: str, checkpoints: dict[str, tuple[Path, nn.Module]]) -> None:
     path, hf_model = checkpoints[kind]
-    first, last, backend = _load(path, 0, 2), _load(path, 1, 2), get_attn_backend(block_size=BLOCK_SIZE)
+    first, last, backend = _load(path, 0, 2), _load(path, 1, 2), TorchAttentionBackend()
     first_names, last_names = [n for n, _ in first.named_parameters()], [n for n, _ in last.named_parameters()]
     assert not any(name.startswith(("lm_head", "model.norm", "model.layers.1.")) for name in first_names)
     assert not any(name.startswith("model.layers.0.") for name in last_names)
@@ -188,7 +188,7 @@ def test_pp_layer_split() -> None:
 def test_unknown_architecture_and_missing_weight(checkpoints: dict[str, tuple[Path, nn.Module]],
                                                 tmp_path: Path) -> None:
     path, hf_model = checkpoints["llama"]
-    config = load_hf_config(path)
+    config = AutoConfig.from_pretrained(path)
     config.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
         get_model_cls(config)
@@ -197,7 +197,7 @@ def test_unknown_architecture_and_missing_weight(checkpoints: dict[str, tuple[Pa
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"lacks weights .*model\.layers\.1\.self_attn\.qkv_proj\.weight"):
-        load_model(tmp_path, None, torch.float32, "cpu")
+        load_model(tmp_path, AutoConfig.from_pretrained(tmp_path), torch.float32, "cpu")
 
 
 def _free_port() -> int:
@@ -212,8 +212,8 @@ def _tp_worker(rank: int, world_size: int, port: int, paths: list[str], out_dir:
     destroy_model_parallel()
     init_model_parallel(tp_size=world_size)
     for i, path in enumerate(paths):
-        model, backend = _load(Path(path)), get_attn_backend(block_size=BLOCK_SIZE)
-        config = load_hf_config(path)
+        model, backend = _load(Path(path)), TorchAttentionBackend()
+        config = AutoConfig.from_pretrained(path)
         prompts = _prompts([5, 9], config.vocab_size)
         tables = _block_tables([6, 10])
         prefill = model.compute_logits(_step(model, backend, prompts, [5, 9], tables))

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoConfig
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.runner.distributed import combine_topk, get_all2all_manager
@@ -142,7 +143,8 @@ def test_tp2_matches_single_device(arch: str, expert_parallel: bool, ray_cluster
 
 
 def loaded_params(path: Path) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in load_model(path).named_parameters()}
+    model = load_model(path, AutoConfig.from_pretrained(path))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize(("arch", "block", "names"), [("mixtral", "block_sparse_moe", ("w1", "w2", "w3")),
@@ -201,7 +203,7 @@ def test_bad_expert_weight_raises(rename: Any, error: str, moe_checkpoints: dict
         tensors = {rename(name): t for name, t in tensors.items() if rename(name) is not None}
     save_file(tensors, tmp_path / "bad" / "model.safetensors")
     with pytest.raises(ValueError, match=error):
-        load_model(tmp_path / "bad")
+        load_model(tmp_path / "bad", AutoConfig.from_pretrained(tmp_path / "bad"))
 
 
 def _scaled_by_expert(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

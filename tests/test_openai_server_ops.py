@@ -76,9 +76,11 @@ def test_disconnect_while_waiting_for_whole_response(server: Server, llama_path:
     assert metric(server, "vllm:kv_cache_usage_perc", model) == 0.0
 
 
-def test_metrics_count_what_usage_reports(server: Server, client: openai.OpenAI, llama_path: Path) -> None:
+def test_metrics_count_what_usage_reports(server: Server, client: openai.OpenAI, engine: AsyncLLM,
+                                          llama_path: Path) -> None:
     model = llama_path.name
     before = metrics(server)
+    stats_line_before = engine.scheduler_stats.num_prompt_tokens
     response = client.completions.create(model=model, prompt="Counting tokens here", max_tokens=7,
                                          temperature=0.0, extra_body={"ignore_eos": True})
     after = metrics(server)
@@ -88,6 +90,8 @@ def test_metrics_count_what_usage_reports(server: Server, client: openai.OpenAI,
         return after[(name, labels)] - before.get((name, labels), 0.0)  # a histogram shows from its first sample
 
     assert delta("vllm:prompt_tokens_total") == response.usage.prompt_tokens
+    # The stats line's prompt throughput counts the same tokens.
+    assert engine.scheduler_stats.num_prompt_tokens - stats_line_before == response.usage.prompt_tokens
     assert delta("vllm:generation_tokens_total") == response.usage.completion_tokens == 7
     assert delta("vllm:request_success_total", label | {("finished_reason", "length")}) == 1
     assert delta("vllm:time_to_first_token_seconds_count") == 1

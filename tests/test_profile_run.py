@@ -8,20 +8,17 @@ from typing import Any
 import pytest
 import torch
 
-from raylm.configs import make_engine_config
-from raylm.configs.model_info import read_model_info
 from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.profile_run import PROFILE_NUM_LOGPROBS
 from raylm.runner.sampler import SamplerOutput
 from raylm.runner.sampling_metadata import SamplingMetadata
-from tests.runner_steps import model_parallel_of_one  # noqa: F401  (a fixture)
+from tests.runner_steps import model_parallel_of_one, resolved_config  # noqa: F401  (a fixture)
 
 
 def profiled(llama_path: Path, **settings: Any) -> tuple[ModelRunner, list[CommonAttentionMetadata],
                                                          list[tuple[torch.Size, SamplingMetadata, SamplerOutput]]]:
-    config = make_engine_config(model=str(llama_path), **settings)
-    runner = ModelRunner(config, read_model_info(config.model_config, "cpu"), torch.device("cpu"))
+    runner = ModelRunner(resolved_config(model=str(llama_path), **settings), torch.device("cpu"))
     runner.load_model()
     batches: list[CommonAttentionMetadata] = []
     samples: list[tuple[torch.Size, SamplingMetadata, SamplerOutput]] = []
@@ -54,7 +51,7 @@ def test_the_attention_backend_runs_the_heaviest_batch(llama_path: Path, backend
     assert common.query_start_loc_cpu.tolist() == [0, 96, 192, 200]
     assert common.seq_lens_cpu.tolist() == [96, 96, 96]
     assert bool((common.slot_mapping == -1).all())
-    assert runner.positions.np[95] == 95 and runner.positions.np[192] == 88
+    assert runner.buffers.positions.np[95] == 95 and runner.buffers.positions.np[192] == 88
     assert common.block_table.shape == (3, 6) and common.block_table[2].tolist() == list(range(6))
     assert all(layer.kv_cache.numel() == 0 for layer in runner.attention_layers())
 

@@ -24,6 +24,7 @@ from raylm.executor.placement import assign_ranks, engine_bundles
 from raylm.executor.ray_executor import RayExecutor
 from raylm.executor.ray_worker import cuda_device_index
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
+from tests.runner_steps import resolved_config
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = [1, 6, 19, 35]
@@ -108,7 +109,8 @@ def test_parallel_layouts_match_single_device(layout: str, async_scheduling: boo
               **ENGINE)
     executor = llm.llm_engine.engine_core.executor
     assert isinstance(executor, RayExecutor)
-    assert executor.max_concurrent_batches == pp + async_scheduling
+    depth = llm.llm_engine.config.resolved.max_concurrent_batches
+    assert depth == pp + async_scheduling
     layers = executor.collective_rpc(lambda worker: (worker.model_runner.model.model.start_layer,
                                                      worker.model_runner.model.model.end_layer))
     split = [(0, 4), (4, 5)] if partition else {1: [(0, 5)], 2: [(0, 3), (3, 5)], 3: [(0, 2), (2, 4), (4, 5)]}[pp]
@@ -124,7 +126,7 @@ def test_parallel_layouts_match_single_device(layout: str, async_scheduling: boo
     engine_core.scheduler.schedule = counting_schedule
 
     ours = generate(llm)
-    assert (max(in_flight_at_schedule) > 0) == (executor.max_concurrent_batches > 1)
+    assert (max(in_flight_at_schedule) > 0) == (depth > 1)
     assert engine_core.scheduler.num_preemptions > 0
     llm.shutdown()
     assert_released(executor)
@@ -208,7 +210,7 @@ def test_cuda_device_index_rejects_a_hidden_gpu() -> None:
         cuda_device_index("2", "0,1")
 
 
-def test_parallel_settings_from_cli_and_executor_choice() -> None:
+def test_parallel_settings_from_cli_and_executor_choice(model_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     flags = "--tensor-parallel-size 2 --pipeline-parallel-size 2 --distributed-executor-backend ray " \
@@ -217,8 +219,11 @@ def test_parallel_settings_from_cli_and_executor_choice() -> None:
     parallel = config.parallel_config
     assert (parallel.world_size, parallel.pp_layer_partition) == (4, [3, 2])
     assert (parallel.distributed_executor_backend, parallel.placement_group_strategy) == ("ray", "SPREAD")
-    assert Executor.get_class(config) is RayExecutor
-    assert Executor.get_class(make_engine_config(tensor_parallel_size=2)) is RayExecutor  # the default for > 1 device
-    assert Executor.get_class(make_engine_config()) is UniProcExecutor
+
+    def executor_class(**settings: Any) -> type[Executor]:
+        return Executor.get_class(resolved_config(model=str(model_path), device="cpu", **settings))
+
+    assert executor_class(tensor_parallel_size=2) is RayExecutor  # the default for > 1 device
+    assert executor_class() is UniProcExecutor
     with pytest.raises(ValueError, match="use 'ray'"):
-        Executor.get_class(make_engine_config(pipeline_parallel_size=2, distributed_executor_backend="uni"))
+        executor_class(pipeline_parallel_size=2, distributed_executor_backend="uni")

@@ -24,8 +24,8 @@ def test_the_line_reports_the_interval() -> None:
 
 def test_offline_generate_logs_stats_lines(llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="raylm.stats")
-    llm = LLM(model=str(llama_path), max_model_len=256, log_stats_interval_s=0.005, enable_prefix_caching=False)
-    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(4)]
+    llm = LLM(model=str(llama_path), max_model_len=256, log_stats_interval_s=0.005, block_size=16)
+    prompts = [{"prompt_token_ids": [5 + i] + list(range(6, 25))} for i in range(4)]
     llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
     lines = [record.getMessage() for record in caplog.records if record.name == "raylm.stats"]
     assert lines, "no stats line"
@@ -35,7 +35,11 @@ def test_offline_generate_logs_stats_lines(llama_path: Path, caplog: pytest.LogC
     assert all(re.fullmatch(pattern, line) for line in lines), lines
     stats = llm.llm_engine.engine_core.engine_stats()[0]
     assert stats.num_generation_tokens == 160
-    assert stats.num_prompt_tokens == 4 * 3  # each prompt's last token samples the first output token
+    assert stats.num_prompt_tokens == 4 * 20  # whole prompts, as vllm:prompt_tokens counts them
+    # Again: the first 16-token block of each prompt is now a prefix-cache hit, and still a prompt token.
+    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    stats = llm.llm_engine.engine_core.engine_stats()[0]
+    assert stats.prefix_cache_hits == 4 * 16 and stats.num_prompt_tokens == 8 * 20
     llm.shutdown()
 
     quiet = LLM(model=str(llama_path), max_model_len=256, disable_log_stats=True)

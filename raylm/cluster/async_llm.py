@@ -31,7 +31,6 @@ from raylm.cluster.outputs import DPEngineDiedError, RequestOutput
 from raylm.cluster.stats import FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
-from raylm.configs.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +59,8 @@ class _RequestState:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLogger] = ()) -> None:
-        config.model_config.served_model_name = served_model_name(config.model_config)
         self.config = config
-        self.model_name: str = config.model_config.served_model_name
+        self.model_name: str = served_model_name(config.model_config)
         self.stat_loggers = list(stat_loggers)
         observability = config.observability_config
         if not observability.disable_log_stats:
@@ -87,8 +85,9 @@ class AsyncLLM:
         return self._ready_engine().tokenizer
 
     @property
-    def model_info(self) -> ModelInfo:
-        return self._ready_engine().model_info
+    def engine_config(self) -> EngineConfig:
+        """The engine's resolved config (its model's facts in `.model_info`)."""
+        return self._ready_engine().config
 
     async def wait_until_ready(self) -> None:
         """Returns once the model is loaded; raises EngineDeadError if it failed to load."""

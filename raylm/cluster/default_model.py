@@ -7,13 +7,15 @@ from raylm.cluster.tiny_model import DEFAULT_MODEL_NAME, make_tiny_model
 from raylm.configs import ModelConfig
 
 
-def resolve_model(model_config: ModelConfig) -> None:
-    """Set `model_config.model` to a local checkpoint folder, building the tiny default if none is named."""
-    model_config.served_model_name = served_model_name(model_config)
-    if model_config.model is None:
-        model_config.model = str(build_default_model())
-    elif not Path(model_config.model).is_dir():
-        model_config.model = _download(model_config.model)
+def resolve_model(model_config: ModelConfig) -> ModelConfig:
+    """`model_config` naming a local checkpoint folder (the tiny default built if none is named) and its served
+    name."""
+    model = model_config.model
+    if model is None:
+        model = str(build_default_model())
+    elif not Path(model).is_dir():
+        model = _download(model)
+    return model_config.model_copy(update={"model": model, "served_model_name": served_model_name(model_config)})
 
 
 def served_model_name(model_config: ModelConfig) -> str:

@@ -12,7 +12,6 @@ independent engines keep serving the rest, while lock-step engines cannot go on 
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import pickle
 import select
@@ -30,10 +29,9 @@ from raylm.cluster.request import Request
 from raylm.cluster.stats import SchedulerStats
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
-from raylm.configs.model_info import ModelInfo
 from raylm.executor.channel import DriverChannel, recv_frame, send_frame
-from raylm.executor.device import initialize_ray_cluster, resolve_device
 from raylm.executor.placement import bundle_node_ids, reserve_dp_placement_groups
+from raylm.executor.ray_cluster import initialize_ray_cluster
 from raylm.executor.ray_executor import death_cause, get_all
 
 _EngineActor = ray.remote(EngineCoreActor)
@@ -44,18 +42,15 @@ _LOCALHOST = "127.0.0.1"
 
 
 class DPEngineCoreClient:
-    def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        assert config.resolved is not None, "DP engines run a resolved config (resolve_engine_config)"
+        initialize_ray_cluster(config.resolved.num_ray_bundles)
         parallel = config.parallel_config
         self.num_engines = parallel.data_parallel_size
-        self.lockstep = model_info.dp_lockstep(parallel)
-        if self.lockstep and config.scheduler_config.async_scheduling:
-            raise ValueError("async_scheduling is not supported with expert-parallel data parallel (MoE with "
-                             "enable_expert_parallel and data_parallel_size > 1): its engines step in lock-step")
-        initialize_ray_cluster(self.num_engines * (parallel.world_size + 1))
-        device = resolve_device(config.model_config)  # LLMEngine decided it (decide_device); the engines take it
-        self.config = dataclasses.replace(config, model_config=config.model_config.model_copy(
-            update={"device": device}))
-        in_process_worker = parallel.world_size == 1 and parallel.distributed_executor_backend != "ray"
+        self.lockstep = config.resolved.dp_lockstep
+        self.config = config
+        device = config.model_config.device
+        in_process_worker = parallel.distributed_executor_backend == "uni"
         self.placement_groups = reserve_dp_placement_groups(parallel, device, in_process_worker)
         self.actors: list[ray.actor.ActorHandle] = []
         self.names: list[str] = []
@@ -72,12 +67,12 @@ class DPEngineCoreClient:
         self._call_results: dict[int, dict[int, tuple[bool, Any]]] = {}
         self._closed = False
         try:
-            self._start_engines(model_info, device, in_process_worker)
+            self._start_engines(device, in_process_worker)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_engines(self, model_info: ModelInfo, device: str, in_process_worker: bool) -> None:
+    def _start_engines(self, device: str, in_process_worker: bool) -> None:
         node_ids = [bundle_node_ids(group)[0] for group in self.placement_groups]
         node_ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
         engine_id = uuid.uuid4().hex[:8]
@@ -98,8 +93,8 @@ class DPEngineCoreClient:
         if in_process_worker and device == "cpu":  # the engines' workers share their node's cores
             cores = ray.get([actor.num_cores.remote() for actor in self.actors])
             threads = [max(1, cores[rank] // node_ids.count(node_ids[rank])) for rank in range(self.num_engines)]
-        config_ref, model_info_ref = ray.put(self.config), ray.put(model_info)
-        get_all([actor.init_engine.remote(config_ref, model_info_ref, data_parallel[rank], threads[rank])
+        config_ref = ray.put(self.config)
+        get_all([actor.init_engine.remote(config_ref, data_parallel[rank], threads[rank])
                   for rank, actor in enumerate(self.actors)])
 
         this_node = ray.get_runtime_context().get_node_id()

@@ -19,7 +19,6 @@ from raylm.common import tracing
 from raylm.common.outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
-from raylm.configs.model_info import ModelInfo
 from raylm.executor import Executor
 from raylm.runner.sleep_mode import SLEEP_TAGS
 
@@ -33,33 +32,28 @@ class EngineCore:
 
     num_engines = 1
 
-    def __init__(self, config: EngineConfig, model_info: ModelInfo,
-                 data_parallel: DataParallelInfo = NO_DATA_PARALLEL, engine_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, data_parallel: DataParallelInfo = NO_DATA_PARALLEL,
+                 engine_index: int = 0) -> None:
+        assert config.resolved is not None, "an engine runs a resolved config (resolve_engine_config)"
         self.config = config
-        self.model_info = model_info
+        self.model_info = config.model_info
         self.engine_index = engine_index
         self.num_steps = 0  # steps dispatched: the step number of the timeline, on every rank alike
         if config.observability_config.trace_file:
             tracing.enable(f"engine {engine_index}", pid=0)
-        self.executor = Executor.get_class(config)(config, model_info, data_parallel)
+        self.executor = Executor.get_class(config)(config, data_parallel)
         try:
             self.num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_kv_cache(self.num_blocks)
         except BaseException:
             self.executor.shutdown()
             raise
-        scheduler_config = config.scheduler_config
-        pipeline = config.parallel_config.pipeline_parallel_size > 1
-        if pipeline:
-            # Stage 0 learns a request's sampled token only from the next SchedulerOutput, so a request must not
-            # be scheduled again before its token is back: no placeholders. Async scheduling still deepens the
-            # batch queue, keeping a step scheduled ahead.
-            scheduler_config = scheduler_config.model_copy(update={"async_scheduling": False})
+        # Stage 0 of a pipeline learns a request's sampled token only from the next SchedulerOutput.
         self.scheduler = Scheduler(
-            scheduler_config, config.cache_config, model_info.max_model_len, self.num_blocks,
-            config.cache_config.block_size, send_token_ids=pipeline)
-        self.num_prompt_tokens = self.num_generation_tokens = 0  # since start, for stats
-        depth = self.executor.max_concurrent_batches
+            config.scheduler_config, config.cache_config, config.model_config.max_model_len, self.num_blocks,
+            config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1)
+        self.num_generation_tokens = 0  # since start, for stats
+        depth = config.resolved.max_concurrent_batches
         self.sleeping_tags: set[str] = set()  # what sleep freed and wake_up has not restored yet
         self.batch_queue: deque[InFlightStep] | None = deque(maxlen=depth) if depth > 1 else None
 
@@ -132,11 +126,7 @@ class EngineCore:
                             ) -> list[EngineCoreOutput]:
         with tracing.span("update_from_output"):
             outputs = self.scheduler.update_from_output(scheduler_output, output)
-        num_generated = sum(len(tokens) for tokens in output.sampled_token_ids)
-        self.num_generation_tokens += num_generated
-        # Every scheduled token that sampled nothing was a prompt (prefill) token; a prompt's last token samples the
-        # first output token, so this undercounts prompts by one token each.
-        self.num_prompt_tokens += max(0, scheduler_output.total_num_scheduled_tokens - num_generated)
+        self.num_generation_tokens += sum(len(tokens) for tokens in output.sampled_token_ids)
         return outputs
 
     def execute_dummy_batch(self) -> None:
@@ -151,7 +141,7 @@ class EngineCore:
         """The scheduler's gauges, one entry per engine."""
         scheduler = self.scheduler
         return [SchedulerStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_cache_usage,
-                               scheduler.prefix_cache_queries, scheduler.prefix_cache_hits, self.num_prompt_tokens,
+                               scheduler.prefix_cache_queries, scheduler.prefix_cache_hits, scheduler.num_prompt_tokens,
                                self.num_generation_tokens, scheduler.num_preemptions)]
 
     def drain_trace(self) -> list[dict[str, Any]]:

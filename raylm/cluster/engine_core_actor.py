@@ -10,6 +10,8 @@ Independent engines (dense models, MoE without expert parallel) step whenever th
 any engine has requests, an engine without any runs a dummy batch. Such a stretch is a wave. An idle engine that gets
 a request starts the next wave and says so; the client passes that on, so every other engine joins. Every
 WAVE_CHECK_STEPS steps all engines ask each other whether any request is left, and all go idle together when none is.
+A call that frees or restores the weights (sleep, wake_up) waits for the wave to end: the other engines' dummy
+forwards still need this engine's share of the collectives, on its weights.
 """
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ from raylm.cluster.request import Request
 from raylm.cluster.stats import SchedulerStats
 from raylm.common.parallel_layout import DataParallelInfo
 from raylm.configs import EngineConfig
-from raylm.configs.model_info import ModelInfo
 from raylm.executor.channel import WorkerChannel
 
 # Steps between "is any request left?" checks of lock-step engines: vLLM's figure. A wave ends at most this many
 # dummy steps after its last request finishes.
 WAVE_CHECK_STEPS = 32
+# EngineCore calls that change the weights or the KV cache under the workers' feet: never inside a running wave.
+_BETWEEN_WAVES = frozenset({"sleep", "wake_up"})
 
 
 @dataclass
@@ -59,6 +62,7 @@ class EngineCoreActor:
         self._wave = 0
         self._wave_running = False
         self._wave_steps = 0
+        self._deferred_calls: list[tuple] = []  # lock-step: calls held back until the running wave ends
 
     def create_store(self, host: str) -> int:
         """DP rank 0 of lock-step engines: the torch.distributed store that all their workers join."""
@@ -66,13 +70,13 @@ class EngineCoreActor:
         self._store = TCPStore(host, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
         return self._store.port
 
-    def init_engine(self, config: EngineConfig, model_info: ModelInfo, data_parallel: DataParallelInfo,
-                    num_threads: int | None) -> int:
+    def init_engine(self, config: EngineConfig, data_parallel: DataParallelInfo, num_threads: int | None) -> int:
         """Build the engine (workers, model, KV cache); returns its KV block count."""
         if num_threads is not None:  # the engine's own worker computes in this process
             torch.set_num_threads(num_threads)
-        self.core = EngineCore(config, model_info, data_parallel, engine_index=self.dp_rank)
-        self._lockstep = data_parallel.size > 1
+        self.core = EngineCore(config, data_parallel, engine_index=self.dp_rank)
+        assert config.resolved is not None
+        self._lockstep = config.resolved.dp_lockstep
         return self.core.num_blocks
 
     def num_cores(self) -> int:
@@ -125,6 +129,9 @@ class EngineCoreActor:
         else:
             assert kind == "call", f"unknown message {kind!r}"
             call_id, method, args = message[1:]
+            if self._wave_running and method in _BETWEEN_WAVES:
+                self._deferred_calls.append(message)
+                return
             try:
                 result: tuple[int, bool, Any] = (call_id, True, getattr(core, method)(*args))
             except Exception:
@@ -150,6 +157,9 @@ class EngineCoreActor:
         self._wave_steps += 1
         if self._wave_steps % WAVE_CHECK_STEPS == 0 and not self._any_unfinished_across_dp():
             self._wave, self._wave_running, self._wave_steps = self._wave + 1, False, 0
+            deferred, self._deferred_calls = self._deferred_calls, []
+            for message in deferred:
+                self._apply(channel, message)
         return outputs
 
     def _any_unfinished_across_dp(self) -> bool:

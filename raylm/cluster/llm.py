@@ -11,6 +11,7 @@ from raylm.cluster.llm_engine import LLMEngine, PromptType
 from raylm.cluster.outputs import RequestOutput
 from raylm.cluster.stats import LoggingStatLogger
 from raylm.common.sampling_params import SamplingParams
+from raylm.configs import EngineConfig
 
 
 class LLM:
@@ -18,8 +19,18 @@ class LLM:
     (`max_num_seqs`, `block_size`, `tensor_parallel_size`, ...); None builds the tiny default model."""
 
     def __init__(self, model: str | None = None, config_file: str | None = None, **settings: Any) -> None:
-        self.llm_engine = LLMEngine.from_settings(config_file, model=model, **settings)
-        observability = self.llm_engine.config.observability_config
+        self._start(LLMEngine.from_settings(config_file, model=model, **settings))
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over a config built (or resolved) beforehand."""
+        llm = cls.__new__(cls)
+        llm._start(LLMEngine(config))
+        return llm
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.llm_engine = engine
+        observability = engine.config.observability_config
         self.stat_logger = (None if observability.disable_log_stats
                             else LoggingStatLogger(observability.log_stats_interval_s))
         self._counter = itertools.count()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from transformers import AutoTokenizer
 
-from raylm.cluster.default_model import resolve_model
+from raylm.cluster.config_resolver import resolve_engine_config
 from raylm.cluster.engine_core import EngineCore
 from raylm.cluster.output_processor import OutputProcessor, RequestOutputKind
 from raylm.cluster.outputs import DPEngineDiedError, EngineSleepingError, RequestOutput
@@ -21,8 +21,7 @@ from raylm.cluster.request import Request
 from raylm.common import tracing
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig, make_engine_config
-from raylm.configs.model_info import ModelInfo, read_model_info
-from raylm.executor.device import decide_device
+from raylm.configs.model_info import ModelInfo
 
 if TYPE_CHECKING:
     from raylm.cluster.dp_client import DPEngineCoreClient
@@ -33,17 +32,14 @@ FRONTEND_TRACE_PID = 1_000_000  # the process that runs LLMEngine, when the engi
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        resolve_model(config.model_config)
-        # Decided from where the workers run (the driver may have no GPU); the dtype "auto" follows it.
-        config = decide_device(config)
+        config = resolve_engine_config(config)
         self.config = config
-        self.model_info: ModelInfo = read_model_info(config.model_config, config.model_config.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_info.tokenizer)
+        self.model_info: ModelInfo = config.model_info
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_config.tokenizer)
         eos = set(self.model_info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self.model_info.check_parallel(config.parallel_config)
         self.engine_core: EngineCore | DPEngineCoreClient
         parallel = config.parallel_config
         if config.observability_config.trace_file and parallel.data_parallel_size > 1:
@@ -51,9 +47,9 @@ class LLMEngine:
         if parallel.data_parallel_size > 1 and parallel.data_parallel_backend == "ray":
             from raylm.cluster.dp_client import DPEngineCoreClient
 
-            self.engine_core = DPEngineCoreClient(config, self.model_info)
+            self.engine_core = DPEngineCoreClient(config)
         else:
-            self.engine_core = EngineCore(config, self.model_info)
+            self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         # Requests without a seed get one drawn here: every rank of an engine then samples them identically, and
         # they sample the same whichever data-parallel engine serves them.

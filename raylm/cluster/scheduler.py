@@ -50,6 +50,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished, aborted or preempted since the last schedule
         self.num_preemptions = 0
+        # Prompt tokens of the requests that got their first output token (cached ones included): what vLLM's stats
+        # line and its Prometheus counter vllm:prompt_tokens both count.
+        self.num_prompt_tokens = 0
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -197,6 +200,8 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= len(sampled)
                 assert request.num_output_placeholders >= 0
+            if request.num_output_tokens == 0:
+                self.num_prompt_tokens += request.num_prompt_tokens
             num_new_tokens, finished = 0, False  # a request in self.requests is unfinished until check_stop says
             for token_id in sampled:
                 request.append_output_token_id(token_id)

@@ -11,6 +11,7 @@ with `start_serve` (or a Serve config's `controller_options`) to give the proxy 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ray
@@ -18,6 +19,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from raylm.cluster.async_llm import AsyncLLM
+from raylm.cluster.config_resolver import decide_device
 from raylm.cluster.default_model import served_model_name
 from raylm.cluster.openai.api_server import build_app as build_fastapi_app
 from raylm.cluster.openai.metrics import PrometheusStatLogger
@@ -25,7 +27,6 @@ from raylm.cluster.openai.router import EngineModelRouter
 from raylm.cluster.ray_metrics import RayPrometheusStatLogger
 from raylm.configs import EngineConfig, make_engine_config
 from raylm.executor.cluster_resources import ClusterCapacity, check_fits
-from raylm.executor.device import resolve_device, workers_on_ray
 from raylm.executor.placement import describe_engine, engine_bundles
 
 # The engine batches and queues requests itself: Serve must not hold them back from a replica.
@@ -81,13 +82,22 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 def build_openai_app(config: EngineConfig) -> serve.Application:
     model_id = served_model_name(config.model_config)
-    config.model_config.served_model_name = model_id
+    config = dataclasses.replace(config, model_config=config.model_config.model_copy(
+        update={"served_model_name": model_id}))
     return serve.deployment(LLMServer).options(name=f"LLMServer:{model_id}", **llm_server_options(config)).bind(config)
 
 
 def llm_server_options(config: EngineConfig) -> dict[str, Any]:
-    serving = config.serving_config
-    return _replica_placement(config) | {
+    """The replica's deployment options. Its engine's config is resolved in the replica itself; the resources Serve
+    gives the replica (a GPU, the placement group of its workers) follow the resolver's own device rule, asked here
+    only when Ray is connected as the app is built (`serve run module:app` builds first: then the replica asks for no
+    device, and its resolver puts the engine's worker on a GPU actor where the cluster has GPUs)."""
+    serving, parallel = config.serving_config, config.parallel_config
+    device = decide_device(config.model_config, parallel) if ray.is_initialized() else None
+    runs_workers = parallel.world_size > 1 or parallel.distributed_executor_backend == "ray"
+    in_process_device = device == "cuda" and not runs_workers and parallel.data_parallel_size == 1
+    placement = _replica_placement(config, device) if runs_workers and parallel.data_parallel_size == 1 else {}
+    return placement | {
         "autoscaling_config": {
             "min_replicas": serving.min_replicas,
             "max_replicas": serving.max_replicas,
@@ -96,7 +106,7 @@ def llm_server_options(config: EngineConfig) -> dict[str, Any]:
             "downscale_delay_s": serving.downscale_delay_s,
         },
         "max_ongoing_requests": _MAX_ONGOING_REQUESTS,
-        "ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if _replica_holds_device(config) else 0,
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if in_process_device else 0,
                               "runtime_env": _replica_runtime_env()},
     }
 
@@ -107,27 +117,15 @@ def _replica_runtime_env() -> dict[str, Any]:
     return job_env | {"env_vars": {**job_env.get("env_vars", {}), **REPLICA_ENV_VARS}}
 
 
-def _replica_placement(config: EngineConfig) -> dict[str, Any]:
-    """A replica whose engine runs Ray workers (and no DP engines) gets its placement group from Serve, so that Serve
-    and the autoscaler start a replica only where all of it fits. A group the cluster can never hold fails here, as
-    the app is built, instead of leaving replicas pending. Without a Ray connection yet (`serve run module:app` builds
-    first) the replica's executor reserves and checks a group of its own when it starts."""
-    parallel = config.parallel_config
-    runs_workers = parallel.world_size > 1 or parallel.distributed_executor_backend == "ray"
-    if not ray.is_initialized() or not runs_workers or parallel.data_parallel_size > 1:
+def _replica_placement(config: EngineConfig, device: str | None) -> dict[str, Any]:
+    """A replica whose engine runs Ray workers gets its placement group from Serve, so that Serve and the autoscaler
+    start a replica only where all of it fits. A group the cluster can never hold fails here, as the app is built,
+    instead of leaving replicas pending. Without a Ray connection yet, the replica's executor reserves and checks a
+    group of its own when it starts."""
+    if device is None:
         return {}
+    parallel = config.parallel_config
     capacity = ClusterCapacity.current()
-    layout = engine_bundles(parallel, resolve_device(config.model_config), capacity)
+    layout = engine_bundles(parallel, device, capacity)
     check_fits(layout.bundles, parallel.placement_group_strategy, describe_engine(layout, parallel), capacity)
     return {"placement_group_bundles": layout.bundles, "placement_group_strategy": parallel.placement_group_strategy}
-
-
-def _replica_holds_device(config: EngineConfig) -> bool:
-    """With the in-process executor the replica runs the model itself; the Ray executor's workers (or, with data
-    parallel, the engine actors and their workers) hold the devices otherwise."""
-    if workers_on_ray(config.parallel_config):
-        return False
-    if config.model_config.device == "auto" and not ray.is_initialized():
-        return False  # `serve run module:app` builds before connecting: no cluster to ask yet
-    # The replica is a Ray actor: "auto" follows the cluster's GPUs, as for the Ray executor's workers.
-    return resolve_device(config.model_config, on_ray=True) == "cuda"

@@ -17,8 +17,8 @@ class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    # Counters since the engine started. Prefix-cache lookups in tokens; prompt tokens are the prefill tokens
-    # computed (a preempted request's count again).
+    # Counters since the engine started. Prefix-cache lookups in tokens; prompt tokens are counted whole (cached ones
+    # too) when a request gets its first token, as vLLM's stats line and vllm:prompt_tokens count them.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_prompt_tokens: int = 0

@@ -7,13 +7,17 @@ vLLM's name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+if TYPE_CHECKING:
+    from raylm.configs.model_info import ModelInfo
+
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Frozen: a decision is made once (raylm/cluster/config_resolver.py) and every layer reads it; a change is a copy.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ModelConfig(_Section):
@@ -116,10 +120,23 @@ SECTIONS: dict[str, type[_Section]] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The facts derived once, when the engine's config is resolved (raylm/cluster/config_resolver.py), beside the
+    `auto` fields it filled in: the checkpoint's, and how the engine runs."""
+
+    model_info: ModelInfo
+    num_ray_bundles: int  # CPU bundles a new local Ray must declare: one per engine and per worker
+    dp_lockstep: bool  # data-parallel engines step together (MoE with expert parallel over DP > 1)
+    max_concurrent_batches: int  # steps the engine keeps in flight
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """All sections together; a plain dataclass so that the vLLM names (`model_config`, ...) stay
-    free of pydantic's reserved `model_config`. Cross-section rules are checked here."""
+    free of pydantic's reserved `model_config`. Cross-section rules are checked here. `resolved` is None until
+    resolve_engine_config fills every `auto` field and derives the rest; the engine's layers take only resolved
+    configs."""
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -128,6 +145,12 @@ class EngineConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     serving_config: ServingConfig = field(default_factory=ServingConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    resolved: ResolvedConfig | None = None
+
+    @property
+    def model_info(self) -> ModelInfo:
+        assert self.resolved is not None, "resolve_engine_config first (raylm/cluster/config_resolver.py)"
+        return self.resolved.model_info
 
     def __post_init__(self) -> None:
         sched, parallel = self.scheduler_config, self.parallel_config
@@ -149,6 +172,12 @@ class EngineConfig:
                 f"expert all_to_all of lock-step DP ranks); got data_parallel_size={parallel.data_parallel_size}, "
                 f"enable_expert_parallel={parallel.enable_expert_parallel}")
         self._check_cudagraph_sizes()
+        mode = self.compilation_config.cudagraph_mode
+        if mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+            raise ValueError(
+                f"cudagraph_mode {mode}: raylm captures FULL graphs of uniform decode batches only; piecewise graphs "
+                f"need torch.compile's graph splitting, which raylm does not build. Use FULL_DECODE_ONLY (or FULL, "
+                f"the same here), or NONE")
         if self.cache_config.attention_backend == "cpu" and self.compilation_config.custom_ops == "none":
             raise ValueError("attention_backend 'cpu' needs raylm's CPU kernels, which custom_ops='none' turns off")
         if self.serving_config.min_replicas > self.serving_config.max_replicas:

@@ -1,86 +1,86 @@
-"""Facts read from the checkpoint that every layer needs: resolved once, checked against the settings."""
+"""Facts read from the checkpoint that every layer needs: read once, on the driver, when the engine's config is
+resolved, and handed to every worker with it (the workers read no config.json of their own)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from raylm.configs.engine_config import ModelConfig, ParallelConfig
+from raylm.configs.engine_config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _DTYPES = {"float32", "float16", "bfloat16"}
 
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """What the checkpoint says. The decisions taken from it (dtype, max_model_len, tokenizer) are the resolver's, kept
+    in ModelConfig."""
+
     path: str
-    tokenizer: str
     architecture: str
     vocab_size: int
     num_hidden_layers: int
     max_position_embeddings: int
-    max_model_len: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
+    checkpoint_dtype: str | None  # config.json's torch_dtype, when it names a float type
     eos_token_ids: tuple[int, ...]
     num_experts: int = 0  # routed experts per MoE layer; 0 for a dense model
+    hf_config: PretrainedConfig | None = None  # transformers' config of the checkpoint, which the model is built from
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    def dp_lockstep(self, parallel: ParallelConfig) -> bool:
-        """Whether the DP engines step in lock-step: MoE with expert parallel over more than one DP rank, whose
-        expert all_to_all every DP rank must join on every forward. Otherwise DP engines are independent."""
-        return self.is_moe and parallel.enable_expert_parallel and parallel.data_parallel_size > 1
 
-    def check_parallel(self, parallel: ParallelConfig) -> None:
-        """Reject parallel settings this checkpoint cannot honour."""
-        if parallel.enable_expert_parallel and not self.is_moe:
-            raise ValueError(f"enable_expert_parallel: {self.architecture} has no experts (not a MoE model)")
-        if parallel.enable_expert_parallel:
-            ep_size = parallel.tensor_parallel_size * (parallel.data_parallel_size if self.dp_lockstep(parallel)
-                                                       else 1)
-            if self.num_experts % ep_size:
-                raise ValueError(f"enable_expert_parallel: {self.num_experts} experts cannot be split evenly over "
-                                 f"{ep_size} expert-parallel ranks (data_parallel_size x tensor_parallel_size)")
+def read_model_info(model_path: str) -> ModelInfo:
+    """The checkpoint's facts, its config read once through transformers' AutoConfig (which the models take)."""
+    from transformers import AutoConfig
 
-
-def read_model_info(model_config: ModelConfig, device_type: str) -> ModelInfo:
-    assert model_config.model is not None, "the default model is built before model info is read"
-    path = Path(model_config.model)
+    path = Path(model_path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise ValueError(f"model: {path} is not a Hugging Face checkpoint folder (no config.json)")
-    hf = json.loads(config_file.read_text())
+    hf_config = AutoConfig.from_pretrained(str(path))
+    hf = hf_config.to_dict()
     text_config = hf.get("text_config", hf)
     architectures = hf.get("architectures") or []
     if not architectures:
         raise ValueError(f"model: {config_file} names no `architectures`")
-    max_positions = int(text_config.get("max_position_embeddings", 2048))
+    checkpoint_dtype = str(text_config.get("dtype") or text_config.get("torch_dtype") or "").removeprefix("torch.")
+    return ModelInfo(
+        path=str(path),
+        architecture=architectures[0],
+        vocab_size=int(text_config["vocab_size"]),
+        num_hidden_layers=int(text_config["num_hidden_layers"]),
+        max_position_embeddings=int(text_config.get("max_position_embeddings", 2048)),
+        checkpoint_dtype=checkpoint_dtype if checkpoint_dtype in _DTYPES else None,
+        eos_token_ids=_eos_token_ids(path, hf),
+        num_experts=int(text_config.get("num_experts") or text_config.get("num_local_experts") or 0),
+        hf_config=hf_config,
+    )
+
+
+def resolve_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type: str) -> str:
+    """The dtype setting, or for "auto": float32 on CPU (half-precision matmuls are slow there and the transformers
+    oracle runs float32), else the checkpoint's 16-bit dtype (bfloat16 for a float32 checkpoint)."""
+    if model_config.dtype != "auto":
+        return model_config.dtype
+    if device_type == "cpu":
+        return "float32"
+    checkpoint = model_info.checkpoint_dtype
+    return checkpoint if checkpoint is not None and checkpoint != "float32" else "bfloat16"
+
+
+def resolve_max_model_len(model_config: ModelConfig, model_info: ModelInfo) -> int:
+    max_positions = model_info.max_position_embeddings
     max_model_len = model_config.max_model_len or max_positions
     if max_model_len > max_positions:
         raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                          f"({max_positions})")
-    return ModelInfo(
-        path=str(path),
-        tokenizer=model_config.tokenizer or str(path),
-        architecture=architectures[0],
-        vocab_size=int(text_config["vocab_size"]),
-        num_hidden_layers=int(text_config["num_hidden_layers"]),
-        max_position_embeddings=max_positions,
-        max_model_len=max_model_len,
-        dtype=_resolve_dtype(model_config.dtype, text_config, device_type),
-        eos_token_ids=_eos_token_ids(path, hf),
-        num_experts=int(text_config.get("num_experts") or text_config.get("num_local_experts") or 0),
-    )
-
-
-def _resolve_dtype(dtype: str, hf: dict, device_type: str) -> str:
-    if dtype != "auto":
-        return dtype
-    if device_type == "cpu":
-        return "float32"  # CPU half-precision matmuls are slow and the transformers oracle runs fp32
-    checkpoint = str(hf.get("dtype") or hf.get("torch_dtype") or "bfloat16")
-    return checkpoint if checkpoint in _DTYPES and checkpoint != "float32" else "bfloat16"
+    return max_model_len
 
 
 def _eos_token_ids(path: Path, hf: dict) -> tuple[int, ...]:

@@ -9,28 +9,21 @@ from typing import Any
 from raylm.common.outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
-from raylm.configs.model_info import ModelInfo
 from raylm.worker.worker import MemoryProfile
 
 
 class Executor(ABC):
-    def __init__(self, config: EngineConfig, model_info: ModelInfo,
-                 data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
+    def __init__(self, config: EngineConfig, data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
+        assert config.resolved is not None, "executors run a resolved config (resolve_engine_config)"
         self.config = config
-        self.model_info = model_info
+        self.model_info = config.model_info
         self.data_parallel = data_parallel
         self._init_executor()
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
         backend = config.parallel_config.distributed_executor_backend
-        world_size = config.parallel_config.world_size
-        if backend is None:
-            backend = "uni" if world_size == 1 else "ray"
         if backend == "uni":
-            if world_size != 1:
-                raise ValueError(f"distributed_executor_backend 'uni' runs one device; tensor_parallel_size x "
-                                 f"pipeline_parallel_size is {world_size}: use 'ray'")
             from raylm.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
@@ -67,15 +60,6 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
-    @property
-    def max_concurrent_batches(self) -> int:
-        """Steps the engine keeps in flight: one per pipeline stage, plus one being scheduled ahead (async
-        scheduling) while the others run."""
-        pp = self.config.parallel_config.pipeline_parallel_size
-        if self.data_parallel.size > 1:
-            return 1  # lock-step: one forward per engine step on every worker, so idle ranks can match it
-        return pp + 1 if self.config.scheduler_config.async_scheduling else pp
-
     def determine_num_blocks(self) -> int:
         """KV blocks every worker can hold: the minimum across workers."""
         override = self.config.cache_config.num_gpu_blocks_override
@@ -86,12 +70,14 @@ class Executor(ABC):
         blocks = [profile.available // size for profile, size in zip(profiles, per_block)]
         num_blocks = min(blocks)
         block_size = self.config.cache_config.block_size
-        needed = -(-self.model_info.max_model_len // block_size)  # one request of max_model_len tokens
+        max_model_len = self.config.model_config.max_model_len
+        assert max_model_len is not None
+        needed = -(-max_model_len // block_size)  # one request of max_model_len tokens
         if num_blocks < needed:
             worst = blocks.index(num_blocks)
             raise ValueError(
                 f"the KV cache has room for {num_blocks} blocks of {block_size} tokens "
-                f"({per_block[worst]} bytes each), but one request of max_model_len={self.model_info.max_model_len} "
+                f"({per_block[worst]} bytes each), but one request of max_model_len={max_model_len} "
                 f"tokens needs {needed}: {profiles[worst].describe()}. Raise gpu_memory_utilization (GPU) or "
                 f"kv_cache_memory_gib (CPU), lower max_model_len, or shard the model over more devices "
                 f"(tensor_parallel_size / pipeline_parallel_size)")

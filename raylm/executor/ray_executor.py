@@ -7,7 +7,6 @@ fails the pending and later calls within about a second instead of leaving the e
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import uuid
 from collections.abc import Callable
@@ -22,8 +21,8 @@ from raylm.common.outputs import SchedulerOutput
 from raylm.common.parallel_layout import RankLayout
 from raylm.executor.abstract import Executor
 from raylm.executor.channel import DriverChannel
-from raylm.executor.device import initialize_ray_cluster, resolve_device
 from raylm.executor.placement import PlacementPlan, create_placement_plan
+from raylm.executor.ray_cluster import initialize_ray_cluster
 from raylm.executor.ray_worker import RayWorkerWrapper
 from raylm.executor.rpc import RpcClient, RpcFuture
 
@@ -46,9 +45,9 @@ class RayExecutor(Executor):
         self.rpc: RpcClient | None = None
         self._closing = threading.Event()
         self._monitor: threading.Thread | None = None
-        initialize_ray_cluster(self.layout.world_size + 1)
+        initialize_ray_cluster(self.config.resolved.num_ray_bundles)
         try:
-            device = resolve_device(self.config.model_config)
+            device = self.config.model_config.device
             self.plan = create_placement_plan(parallel, device)
             self._start_workers(device)
         except BaseException:
@@ -74,12 +73,8 @@ class RayExecutor(Executor):
         if init_method is None:
             host = plan.rendezvous_host
             init_method = f"tcp://{host}:{ray.get(self.workers[0].create_store.remote(host))}"
-        # The workers resolve "auto" to the device chosen here, whatever their own node has.
-        config = dataclasses.replace(self.config, model_config=self.config.model_config.model_copy(
-            update={"device": device}))
-        config_ref, model_info_ref = ray.put(config), ray.put(self.model_info)
-        get_all([worker.init_worker.remote(config_ref, model_info_ref, init_method, plan.num_local_workers(rank),
-                                            self.data_parallel)
+        config_ref = ray.put(self.config)  # resolved: the workers take its device, whatever their own node has
+        get_all([worker.init_worker.remote(config_ref, init_method, plan.num_local_workers(rank), self.data_parallel)
                   for rank, worker in enumerate(self.workers)])
 
         channel = DriverChannel(plan.control_host, len(self.workers))

@@ -16,9 +16,7 @@ from torch.distributed import TCPStore
 
 from raylm.common.parallel_layout import DataParallelInfo
 from raylm.configs import EngineConfig
-from raylm.configs.model_info import ModelInfo
 from raylm.executor.channel import WorkerChannel
-from raylm.runner.platform import device_type
 from raylm.worker.worker import Worker
 
 
@@ -50,17 +48,17 @@ class RayWorkerWrapper:
         self._store = TCPStore(host, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
         return self._store.port
 
-    def init_worker(self, config: EngineConfig, model_info: ModelInfo, distributed_init_method: str,
+    def init_worker(self, config: EngineConfig, distributed_init_method: str,
                     num_local_workers: int, data_parallel: DataParallelInfo) -> None:
         """Build the Worker on the device Ray assigned, join the process groups and load the model."""
         local_rank, num_threads = 0, None
-        if device_type(config.model_config) == "cuda":
+        if config.model_config.device == "cuda":
             gpu_ids = ray.get_runtime_context().get_accelerator_ids()["GPU"]
             assert len(gpu_ids) == 1, f"a worker owns one GPU; Ray assigned {gpu_ids}"
             local_rank = cuda_device_index(gpu_ids[0], os.environ.get("CUDA_VISIBLE_DEVICES"))
         else:
             num_threads = max(1, _num_cores() // num_local_workers)
-        self.worker = Worker(config, model_info, self.rank, local_rank, distributed_init_method, num_threads,
+        self.worker = Worker(config, self.rank, local_rank, distributed_init_method, num_threads,
                              data_parallel)
         self.worker.init_device()
         self.worker.load_model()

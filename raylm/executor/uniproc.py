@@ -16,7 +16,7 @@ from raylm.worker import Worker
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.worker = Worker(self.config, self.model_info, distributed_init_method=self.data_parallel.init_method,
+        self.worker = Worker(self.config, distributed_init_method=self.data_parallel.init_method,
                              data_parallel=self.data_parallel)
         self.worker.init_device()
         self.worker.load_model()

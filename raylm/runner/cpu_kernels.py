@@ -35,10 +35,6 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def is_enabled() -> bool:
-    return _enabled
-
-
 def cpu_flags() -> str:
     """The CPU's instruction-set flags: what a build or a measurement done on this machine depends on."""
     try:

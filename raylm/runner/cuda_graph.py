@@ -1,7 +1,7 @@
-"""FULL CUDA graphs of the model: one per padded batch size, captured largest first into one memory pool (the
-smaller graphs reuse the largest one's memory) after the KV cache is allocated, replayed on the runner's persistent
-buffers (input ids, positions, slot mapping, seq_lens, query_start_loc, block table) with attention reading only
-those (the backend's build_decode_graph: torch, triton and flash_attn have one)."""
+"""FULL CUDA graphs of uniform decode batches: one per padded batch size, captured largest first into one memory pool
+(the smaller graphs reuse the largest one's memory) after the KV cache is allocated, replayed on the runner's
+persistent buffers (input ids, positions, slot mapping, seq_lens, query_start_loc, block table) with attention reading
+only those (the backend's build_decode_graph: torch, triton and flash_attn have one)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,11 +9,11 @@ from collections.abc import Callable
 import torch
 
 from raylm.runner.attention.backend import AttentionBackend, AttentionCGSupport
-from raylm.runner.attention.common import DecodeGraphBuffers
 from raylm.runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from raylm.runner.forward_context import set_forward_context
-from raylm.runner.input_buffers import InputBuffersMixin
+from raylm.runner.input_buffers import InputBuffers
+from raylm.runner.layers.fused_moe import why_grouped_mm_syncs
 
 
 class CUDAGraphRunner:
@@ -48,63 +48,78 @@ class CUDAGraphRunner:
         return self.outputs[num_tokens]
 
 
-class CUDAGraphCaptureMixin(InputBuffersMixin):
-    """The ModelRunner's FULL graphs of uniform decode batches (the attention backend's fixed-buffer decode)."""
+def why_no_full_graphs(is_moe: bool, expert_parallel: bool, pipeline_parallel: bool, device: torch.device,
+                       dtype: torch.dtype, attn_backend: AttentionBackend) -> str | None:
+    """Why this model cannot replay as one captured graph (None: it can). On CPU nothing is captured: FULL only pads
+    there (so tests run the padding paths), whatever the attention backend or the experts' matmul."""
+    if is_moe and expert_parallel:
+        return "expert parallel's all_to_all reads the token counts to the host"
+    if is_moe and device.type == "cuda":
+        reason = why_grouped_mm_syncs(device, dtype)
+        if reason is not None:
+            return reason
+    if pipeline_parallel:
+        return "pipeline stages exchange tensors between forwards"
+    if device.type == "cuda" and attn_backend.cudagraph_support == AttentionCGSupport.NEVER:
+        return f"attention backend {attn_backend.name!r} has no fixed-buffer decode"
+    return None
 
-    # Set by the ModelRunner.
-    model: torch.nn.Module | None
-    dtype: torch.dtype
-    attn_backend: AttentionBackend
-    kv_caches: list[torch.Tensor]
-    cudagraph_dispatcher: CudagraphDispatcher
-    graph_runner: CUDAGraphRunner | None
-    scratch_slot: int
-    attention_layers: Callable[[], list[torch.nn.Module]]
 
-    def _captures_decode_graphs(self) -> bool:
+class DecodeGraphs:
+    """The runner's FULL graphs of uniform decode batches (the attention backend's fixed-buffer decode)."""
+
+    def __init__(self, dispatcher: CudagraphDispatcher, attn_backend: AttentionBackend, buffers: InputBuffers,
+                 device: torch.device) -> None:
+        self.dispatcher, self.attn_backend, self.buffers, self.device = dispatcher, attn_backend, buffers, device
+        self.runner: CUDAGraphRunner | None = None
+        self.scratch_slot = -1  # the KV cache's extra slot that padded decode rows write to inside a graph
+
+    @property
+    def enabled(self) -> bool:
         """Whether FULL graphs of uniform decode batches can be built: the backend has a fixed-buffer decode. True on
         CPU too when FULL is asked for there, so that path runs in tests (nothing is captured on CPU)."""
         fixed_buffer_decode = self.attn_backend.cudagraph_support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        return bool(self.cudagraph_dispatcher.full_capture_sizes) and fixed_buffer_decode
+        return bool(self.dispatcher.full_capture_sizes) and fixed_buffer_decode
 
-    @torch.inference_mode()
-    def capture_model(self) -> int:
+    def capture(self, model: torch.nn.Module) -> int:
         """Capture the FULL graphs of uniform decode batches (CUDA, after the KV cache exists); returns how many."""
-        if self.device.type != "cuda" or not self._captures_decode_graphs():
+        if self.device.type != "cuda" or not self.enabled:
             return 0
-        assert self.kv_caches, "initialize_kv_cache first: graphs read the KV cache at fixed addresses"
-        sizes = self.cudagraph_dispatcher.full_capture_sizes
-        self._pad_inputs(0, max(sizes))
-        self._pad_decode_graph_inputs(0, max(sizes))
-        self.graph_runner = CUDAGraphRunner()
-        self.graph_runner.capture(sizes, self._decode_graph_forward)
+        assert self.scratch_slot >= 0, "initialize_kv_cache first: graphs read the KV cache at fixed addresses"
+        sizes = self.dispatcher.full_capture_sizes
+        self.buffers.pad(0, max(sizes))
+        self.buffers.pad_decode_requests(0, max(sizes))
+        self.runner = CUDAGraphRunner()
+        self.runner.capture(sizes, lambda n: self.forward(model, n))
         return len(sizes)
 
-    def _pad_decode_graph_inputs(self, num_reqs: int, n: int) -> None:
-        """Requests num_reqs..n-1 of a uniform decode batch padded to n (their rows already hold token 0, position 0,
-        slot -1): one query token each, seq_len 1 (a fully masked row would give NaN)."""
-        self.seq_lens.gpu[num_reqs:n].fill_(1)
-        self.query_start_loc.gpu[num_reqs + 1 : n + 1].copy_(self.arange_gpu[num_reqs + 1 : n + 1])
+    def can_replay(self, descriptor: BatchDescriptor) -> bool:
+        return (descriptor.cudagraph_mode == CUDAGraphMode.FULL and self.runner is not None
+                and self.runner.has(descriptor.num_tokens_padded))
 
-    def _decode_graph_forward(self, n: int) -> torch.Tensor:
+    def replay(self, num_reqs: int, n: int) -> torch.Tensor:
+        assert self.runner is not None
+        self.buffers.pad_decode_requests(num_reqs, n)
+        return self.runner.replay(n)
+
+    def drop(self) -> None:
+        """Forget the graphs (sleep mode moves the storages they read)."""
+        self.runner = None
+
+    def forward(self, model: torch.nn.Module, n: int) -> torch.Tensor:
         """A uniform decode forward of n (padded) requests whose attention reads only the persistent buffers: what
-        capture_model records. Rows past the batch's requests are padded by _pad_decode_graph_inputs."""
-        assert self.model is not None
-        buffers = DecodeGraphBuffers(self.slot_mapping.gpu[:n], self.seq_lens.gpu[:n], self.query_start_loc.gpu[:n + 1],
-                                     self.block_table[:n], self.scratch_slot)
-        metadata = self.attn_backend.build_decode_graph(buffers)
+        capture records. Rows past the batch's requests are padded by InputBuffers.pad_decode_requests."""
+        metadata = self.attn_backend.build_decode_graph(self.buffers.decode_graph_buffers(n, self.scratch_slot))
         with set_forward_context(metadata, n, BatchDescriptor(n, n, n, True, CUDAGraphMode.FULL)):
-            output = self.model(self.input_ids.gpu[:n], self.positions.gpu[:n], None)
+            output = model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n], None)
         assert isinstance(output, torch.Tensor)
         return output
 
-    def cudagraph_memory_estimate(self) -> int:
+    def memory_estimate(self, layer: torch.nn.Module, max_seq_len: int, dtype: torch.dtype) -> int:
         """Bytes the largest decode graph adds over the profile run (CUDA): one layer's K/V gathered over the whole
         block-table width, its scores and key slots."""
-        if self.device.type != "cuda" or not self._captures_decode_graphs():
+        if self.device.type != "cuda" or not self.enabled:
             return 0
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        layer = self.attention_layers()[0]
-        return self.attn_backend.decode_graph_bytes(max(self.cudagraph_dispatcher.full_capture_sizes),
-                                                    self.max_blocks_per_req * self.block_size, layer.num_heads,
-                                                    layer.num_kv_heads, layer.head_size, element_size)
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return self.attn_backend.decode_graph_bytes(max(self.dispatcher.full_capture_sizes), max_seq_len,
+                                                    layer.num_heads, layer.num_kv_heads, layer.head_size, element_size)

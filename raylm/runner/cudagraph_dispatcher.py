@@ -2,9 +2,9 @@
 uniform decode batch (every request one query token). Device-free: on CPU it decides and pads the same way (so
 the padding paths run in tests) and the runner runs the forward eagerly.
 
-Modes are vLLM's. raylm captures FULL graphs only (one graph per padded size, uniform decode batches, the
-attention metadata read from fixed buffers); it builds no piecewise graphs, which need torch.compile's graph
-splitting, so a PIECEWISE batch is padded to its capture size and runs eagerly.
+Modes are vLLM's. raylm captures FULL graphs of uniform decode batches only (one graph per padded size, the attention
+metadata read from fixed buffers); mixed batches run eagerly. PIECEWISE graphs, which need torch.compile's graph
+splitting, are refused when the config is built (raylm/configs/engine_config.py).
 """
 from __future__ import annotations
 
@@ -16,15 +16,9 @@ from raylm.runner.batch_descriptor import CUDAGraphMode
 
 logger = logging.getLogger(__name__)
 
-# vLLM's CUDAGraphMode settings as (mode of mixed batches, mode of uniform decode batches). FULL graphs of mixed
-# batches would need an attention kernel that captures any mix of query lengths: raylm's run eagerly instead.
-_MODES: dict[str, tuple[CUDAGraphMode, CUDAGraphMode]] = {
-    "NONE": (CUDAGraphMode.NONE, CUDAGraphMode.NONE),
-    "PIECEWISE": (CUDAGraphMode.PIECEWISE, CUDAGraphMode.PIECEWISE),
-    "FULL": (CUDAGraphMode.NONE, CUDAGraphMode.FULL),
-    "FULL_DECODE_ONLY": (CUDAGraphMode.NONE, CUDAGraphMode.FULL),
-    "FULL_AND_PIECEWISE": (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL),
-}
+# The mode of uniform decode batches per setting. FULL graphs of mixed batches would need an attention kernel that
+# captures any mix of query lengths: under FULL they run eagerly, as under FULL_DECODE_ONLY.
+_DECODE_MODES = {"NONE": CUDAGraphMode.NONE, "FULL": CUDAGraphMode.FULL, "FULL_DECODE_ONLY": CUDAGraphMode.FULL}
 _MAX_DEFAULT_CAPTURE_SIZE = 512
 
 
@@ -37,8 +31,9 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 
 def resolve_cudagraph_mode(compilation: CompilationConfig, device_type: str) -> str:
-    """The mode setting in effect: enforce_eager wins; unset means FULL_DECODE_ONLY where graphs run (CUDA) and
-    NONE on CPU, unless capture sizes are asked for there (to exercise padding), where it is FULL_DECODE_ONLY too."""
+    """The mode setting in effect (decided once, by the config resolver): enforce_eager wins; unset means
+    FULL_DECODE_ONLY where graphs run (CUDA) and NONE on CPU, unless capture sizes are asked for there (to exercise
+    padding), where it is FULL_DECODE_ONLY too."""
     if compilation.enforce_eager:
         return "NONE"
     if compilation.cudagraph_mode is not None:
@@ -49,15 +44,19 @@ def resolve_cudagraph_mode(compilation: CompilationConfig, device_type: str) -> 
 
 class CudagraphDispatcher:
     def __init__(self, compilation: CompilationConfig, scheduler: SchedulerConfig, device_type: str,
-                 allow_full: bool = True) -> None:
-        """`allow_full` False: the model cannot run as one captured graph (expert parallel or a per-expert matmul
-        fallback reads counts back to the host, pipeline stages exchange tensors): uniform decode batches fall back to
-        the mixed batches' mode."""
-        self.mode_name = resolve_cudagraph_mode(compilation, device_type)
-        mixed, decode = _MODES[self.mode_name]
-        if not allow_full and decode == CUDAGraphMode.FULL:
-            decode = mixed
-        self.mixed_mode, self.decode_mode = mixed, decode
+                 why_no_full: str | None = None) -> None:
+        """`compilation` resolved (its cudagraph_mode set). `why_no_full`: why the model cannot run as one captured
+        graph (expert parallel reads counts back to the host, pipeline stages exchange tensors, ...); uniform decode
+        batches then run eagerly too."""
+        assert compilation.cudagraph_mode in _DECODE_MODES, f"cudagraph_mode {compilation.cudagraph_mode} unresolved"
+        self.mode_name = compilation.cudagraph_mode
+        decode = _DECODE_MODES[self.mode_name]
+        if why_no_full is not None and decode == CUDAGraphMode.FULL:
+            decode = CUDAGraphMode.NONE
+            if device_type == "cuda":
+                logger.info("cudagraph_mode %s: no FULL CUDA graphs (%s); decode batches run eagerly",
+                            self.mode_name, why_no_full)
+        self.mixed_mode, self.decode_mode = CUDAGraphMode.NONE, decode
         limit = scheduler.max_num_batched_tokens
         if compilation.cudagraph_capture_sizes is not None:
             asked = sorted(set(compilation.cudagraph_capture_sizes))
@@ -92,6 +91,6 @@ class CudagraphDispatcher:
         if mode == CUDAGraphMode.NONE or num_tokens > self.max_capture_size:
             return CUDAGraphMode.NONE, num_tokens
         padded = self.padded_size(num_tokens)
-        if mode == CUDAGraphMode.FULL and padded > self.max_num_reqs:
-            mode = self.mixed_mode
-        return (mode, padded) if mode != CUDAGraphMode.NONE else (mode, num_tokens)
+        if padded > self.max_num_reqs:  # FULL's padded requests must fit the batch rows
+            return CUDAGraphMode.NONE, num_tokens
+        return mode, padded

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from raylm.runner.batch_descriptor import CUDAGraphMode
 from raylm.runner.group_coordinator import GroupCoordinator
@@ -28,11 +27,11 @@ class DPBatchDecision:
 def coordinate_batch_across_dp(num_tokens_unpadded: int, num_tokens_padded: int, wants_ubatch: bool,
                                cudagraph_mode: CUDAGraphMode, dp_group: GroupCoordinator) -> DPBatchDecision:
     """Every DP rank must call this once per forward, in the same order: it is a collective."""
-    assert dp_group.world_size > 1 and dp_group.cpu_group is not None, "a DP group of one needs no coordination"
+    assert dp_group.world_size > 1, "a DP group of one needs no coordination"
     table = torch.zeros(4, dp_group.world_size, dtype=torch.int32)
     table[:, dp_group.rank_in_group] = torch.tensor(
         [num_tokens_unpadded, num_tokens_padded, int(wants_ubatch), int(cudagraph_mode)], dtype=torch.int32)
-    dist.all_reduce(table, group=dp_group.cpu_group)
+    dp_group.cpu_all_reduce(table)
     num_tokens, padded, ubatch, modes = table.tolist()
     return synchronize_dp_ranks(num_tokens, padded, [bool(u) for u in ubatch], modes)
 

@@ -25,6 +25,8 @@ class GroupCoordinator:
     # recv_tensor_dict writes into these, grown to the largest message seen, so that steps reuse the same memory
     # (and a CUDA graph replayed on them sees the same addresses).
     _recv_buffers: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # cpu_all_reduce calls completed: what a test counts to see that a rank joined a collective, not only meant to.
+    num_cpu_all_reduces: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank_in_group < len(self.ranks)
@@ -59,6 +61,13 @@ class GroupCoordinator:
         """Sum over the group, in place; returns `tensor`."""
         if self.world_size > 1:
             dist.all_reduce(tensor, group=self.device_group)
+        return tensor
+
+    def cpu_all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of a small CPU tensor over the gloo CPU group (no device sync), in place; returns `tensor`."""
+        assert self.cpu_group is not None, "a group of one has nothing to reduce"
+        dist.all_reduce(tensor, group=self.cpu_group)
+        self.num_cpu_all_reduces += 1
         return tensor
 
     def any_true(self, flag: bool) -> bool:

@@ -1,15 +1,17 @@
-"""The persistent input buffers of the ModelRunner and the packing of a step into them.
+"""The ModelRunner's persistent input buffers, and the packing of a step into them.
 
 Allocated once at max size, each step writes a prefix: no per-step allocation, and fixed addresses (what a CUDA
-graph replays on). A mixin, as vLLM's runner mixins, so the runner keeps vLLM's attribute names.
+graph replays on). The names are vLLM's: input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_table.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from raylm.common.outputs import SchedulerOutput
-from raylm.runner.attention.common import CommonAttentionMetadata
+from raylm.runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
 from raylm.runner.input_batch import InputBatch
 
 
@@ -27,33 +29,41 @@ class CpuGpuBuffer:
             self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
 
 
-class InputBuffersMixin:
-    # Set by the ModelRunner before _init_input_buffers.
-    device: torch.device
-    block_size: int
-    max_num_reqs: int
-    max_num_tokens: int
-    max_blocks_per_req: int
-    input_batch: InputBatch
+@dataclass
+class PreparedInputs:
+    """One step packed into the buffers: the backend-independent attention metadata, the InputBatch rows that
+    sample and logits_indices (the last scheduled token of each of those rows)."""
 
-    def _init_input_buffers(self) -> None:
-        device = self.device
-        self.input_ids = CpuGpuBuffer(self.max_num_tokens, torch.int64, device)
-        self.positions = CpuGpuBuffer(self.max_num_tokens, torch.int64, device)
-        self.slot_mapping = CpuGpuBuffer(self.max_num_tokens, torch.int64, device)
-        self.query_start_loc = CpuGpuBuffer(self.max_num_reqs + 1, torch.int32, device)
-        self.seq_lens = CpuGpuBuffer(self.max_num_reqs, torch.int32, device)
-        self.block_table = torch.zeros((self.max_num_reqs, self.max_blocks_per_req), dtype=torch.int32, device=device)
-        self._arange = np.arange(max(self.max_num_tokens, self.max_num_reqs) + 1, dtype=np.int64)
+    common: CommonAttentionMetadata
+    num_tokens: int
+    num_reqs: int
+    sampling_rows: np.ndarray
+    logits_indices: torch.Tensor
+
+    @property
+    def uniform_decode(self) -> bool:
+        # Each request in the batch has at least one scheduled token: as many tokens as requests is all decode.
+        return self.num_tokens == self.num_reqs
+
+
+class InputBuffers:
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int,
+                 device: torch.device) -> None:
+        self.max_num_tokens, self.max_num_reqs = max_num_tokens, max_num_reqs
+        self.max_blocks_per_req, self.block_size, self.device = max_blocks_per_req, block_size, device
+        self.input_ids = CpuGpuBuffer(max_num_tokens, torch.int64, device)
+        self.positions = CpuGpuBuffer(max_num_tokens, torch.int64, device)
+        self.slot_mapping = CpuGpuBuffer(max_num_tokens, torch.int64, device)
+        self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, torch.int32, device)
+        self.seq_lens = CpuGpuBuffer(max_num_reqs, torch.int32, device)
+        self.block_table = torch.zeros((max_num_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
+        self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
         # query_start_loc of padding requests (one token each) in a fixed-buffer decode, copied on the device.
-        self.arange_gpu = torch.arange(self.max_num_reqs + 1, dtype=torch.int32, device=device)
+        self._arange_gpu = torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device)
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput
-                        ) -> tuple[CommonAttentionMetadata, int, np.ndarray, torch.Tensor]:
-        """Pack the scheduled tokens of the InputBatch rows: (the backend-independent attention metadata, num_tokens,
-        the rows that sample, logits_indices = the last scheduled token of each of those rows). The backend builds
-        its metadata once the batch decision is taken: per micro-batch, or not at all for a CUDA graph replay."""
-        batch = self.input_batch
+    def prepare(self, scheduler_output: SchedulerOutput, batch: InputBatch) -> PreparedInputs:
+        """Pack the scheduled tokens of the InputBatch rows. The backend builds its own metadata once the batch
+        decision is taken: per micro-batch, or not at all for a CUDA graph replay."""
         num_reqs = batch.num_reqs
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         num_scheduled = np.array([num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64)
@@ -89,12 +99,11 @@ class InputBuffersMixin:
         max_blocks = int(batch.block_table.num_blocks[:num_reqs].max())
         self.block_table[:num_reqs, :max_blocks].copy_(
             torch.from_numpy(batch.block_table.table[:num_reqs, :max_blocks]), non_blocking=True)
-        common = self._common_metadata(num_reqs, num_tokens, max_blocks, int(num_scheduled.max()),
-                                       int(seq_lens.max()))
-        return common, num_tokens, sampling_rows, logits_indices
+        common = self.common_metadata(num_reqs, num_tokens, max_blocks, int(num_scheduled.max()), int(seq_lens.max()))
+        return PreparedInputs(common, num_tokens, num_reqs, sampling_rows, logits_indices)
 
-    def _common_metadata(self, num_reqs: int, num_tokens: int, max_blocks: int, max_query_len: int,
-                         max_seq_len: int) -> CommonAttentionMetadata:
+    def common_metadata(self, num_reqs: int, num_tokens: int, max_blocks: int, max_query_len: int,
+                        max_seq_len: int) -> CommonAttentionMetadata:
         """Copy the step's prefix of the CPU buffers (the block table is the caller's) to the device and describe
         it."""
         for buffer in (self.input_ids, self.positions, self.slot_mapping):
@@ -114,7 +123,7 @@ class InputBuffersMixin:
             max_seq_len=max_seq_len,
         )
 
-    def _pad_inputs(self, num_tokens: int, num_tokens_padded: int) -> None:
+    def pad(self, num_tokens: int, num_tokens_padded: int) -> None:
         """Padding rows after the scheduled tokens: token 0 at position 0, no KV cache slot (-1 writes nothing).
         The attention backends ignore rows past num_actual_tokens (a captured graph sends them to a scratch slot),
         and no padding row is sampled."""
@@ -122,3 +131,36 @@ class InputBuffersMixin:
         self.input_ids.gpu[num_tokens:num_tokens_padded].zero_()
         self.positions.gpu[num_tokens:num_tokens_padded].zero_()
         self.slot_mapping.gpu[num_tokens:num_tokens_padded].fill_(-1)
+
+    def pad_decode_requests(self, num_reqs: int, n: int) -> None:
+        """Requests num_reqs..n-1 of a uniform decode batch padded to n (their rows already hold token 0, position 0,
+        slot -1): one query token each, seq_len 1 (a fully masked row would give NaN)."""
+        self.seq_lens.gpu[num_reqs:n].fill_(1)
+        self.query_start_loc.gpu[num_reqs + 1 : n + 1].copy_(self._arange_gpu[num_reqs + 1 : n + 1])
+
+    def decode_graph_buffers(self, n: int, scratch_slot: int) -> DecodeGraphBuffers:
+        """The first n rows as a uniform decode batch read at fixed addresses (what a captured graph replays on)."""
+        return DecodeGraphBuffers(self.slot_mapping.gpu[:n], self.seq_lens.gpu[:n], self.query_start_loc.gpu[:n + 1],
+                                  self.block_table[:n], scratch_slot)
+
+    def prepare_profile(self, num_tokens: int, max_model_len: int) -> CommonAttentionMetadata:
+        """The profile run's batch (runner/profile_run.py): requests of min(num_tokens, max_model_len) query tokens
+        (the last one shorter), at most max_num_reqs of them, each ending a max_model_len context over the blocks
+        0..; slot -1 for every token, so nothing is written."""
+        query_len = min(num_tokens, max_model_len)
+        num_reqs = min(-(-num_tokens // query_len), self.max_num_reqs)
+        num_tokens = min(num_tokens, num_reqs * query_len)
+        query_lens = np.full(num_reqs, query_len, dtype=np.int64)
+        query_lens[-1] = num_tokens - query_len * (num_reqs - 1)
+        cu_num_tokens = query_lens.cumsum()
+        starts = cu_num_tokens - query_lens
+        req_indices = np.repeat(np.arange(num_reqs), query_lens)
+        offsets = np.arange(num_tokens) - starts[req_indices]
+        self.positions.np[:num_tokens] = max_model_len - query_lens[req_indices] + offsets
+        self.input_ids.np[:num_tokens] = 0
+        self.slot_mapping.np[:num_tokens] = -1
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
+        self.seq_lens.np[:num_reqs] = max_model_len
+        self.block_table[:num_reqs].copy_(torch.arange(self.max_blocks_per_req, dtype=torch.int32))
+        return self.common_metadata(num_reqs, num_tokens, self.max_blocks_per_req, query_len, max_model_len)

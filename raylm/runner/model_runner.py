@@ -1,19 +1,18 @@
-"""ModelRunner: everything one device does in a step.
+"""ModelRunner: everything one device does in a step, built from parts.
 
-execute_model: apply the scheduler's diff to the persistent InputBatch, prepare the packed
-inputs into persistent buffers, decide how the batch runs, run the forward, keep the logits (ExecuteModelState).
+execute_model: apply the scheduler's diff to the persistent InputBatch, pack the step into the persistent input
+buffers, take the batch decision, run the forward, keep the logits (ExecuteModelState).
 sample_tokens: sample from the kept logits and append the tokens to the batch.
 
-Every forward (a step, a dummy batch, the profile run of runner/profile_run.py) goes through
-`_determine_batch_execution_and_padding` and then `_run_forward` (runner/batch_execution.py), the only caller of the
-model: under lock-step data parallel each forward joins the DP ranks' coordination, so no rank can skip a collective
-the others wait in. The decision (one BatchDescriptor) fixes the CUDA-graph mode and padded size, and whether the
-forward runs as two micro-batches.
+The parts: InputBatch (the requests' rows), InputBuffers (the packed step), BatchPlanner (the batch decision: graph
+mode, padding, micro-batches, DP coordination), DecodeGraphs (FULL CUDA graphs), ProfileRun (the memory profile),
+SleepMode, the Sampler and PromptLogprobsProcessor. `_run_forward` is the only caller of the model: every forward (a
+step, a dummy batch, the profile run) takes the batch decision first, so under lock-step data parallel no rank can
+skip a collective the others wait in.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -21,21 +20,26 @@ import torch
 from raylm.common import tracing
 from raylm.common.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.configs import EngineConfig
-from raylm.configs.model_info import ModelInfo
 from raylm.runner import cpu_kernels
 from raylm.runner.attention import get_attn_backend
-from raylm.runner.batch_execution import BatchExecutionMixin
-from raylm.runner.cuda_graph import CUDAGraphCaptureMixin
-from raylm.runner.group_coordinator import GroupCoordinator
+from raylm.runner.attention.common import CommonAttentionMetadata
+from raylm.runner.batch_planner import BatchPlanner, log_batch_execution
+from raylm.runner.cuda_graph import DecodeGraphs, why_no_full_graphs
+from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
+from raylm.runner.forward_context import set_forward_context
+from raylm.runner.forward_counts import CountForwards, ForwardCounts
 from raylm.runner.input_batch import CachedRequestState, InputBatch
+from raylm.runner.input_buffers import InputBuffers
+from raylm.runner.layers.attention import Attention
 from raylm.runner.models.loader import load_model, reload_weights
-from raylm.runner.parallel_state import get_dp_group, get_pp_group
-from raylm.runner.profile_run import ProfileRunMixin
+from raylm.runner.parallel_state import get_dp_group, get_ep_group, get_pp_group
+from raylm.runner.profile_run import ProfileRun
 from raylm.runner.prompt_logprobs import PromptLogprobsProcessor
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_lists
-from raylm.runner.sleep_mode import SleepModeMixin
-from raylm.runner.ubatching import current_ubatch_id
+from raylm.runner.sleep_mode import SleepMode
+from raylm.runner.ubatch_splitting import create_ubatch_slices
+from raylm.runner.ubatching import forward_in_ubatches
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -49,75 +53,55 @@ class ExecuteModelState:
     sampling_rows: np.ndarray  # InputBatch rows that sample, in logits order
 
 
-class _CallCounter:
-    """A forward pre-hook that counts forwards: a micro-batched forward calls the model once per ubatch and counts
-    once. Not a runner method: the model would then keep the runner alive."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        if not current_ubatch_id():
-            self.count += 1
-
-
-class ModelRunner(BatchExecutionMixin, ProfileRunMixin, CUDAGraphCaptureMixin, SleepModeMixin):
-    def __init__(self, config: EngineConfig, model_info: ModelInfo, device: torch.device) -> None:
-        self.config = config
-        self.model_info = model_info
-        self.device = device
-        self.dtype = _TORCH_DTYPES[model_info.dtype]
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        """`config` resolved (its device type is `device`'s; `device` names the index of this worker's)."""
+        model_info = config.model_info
+        assert device.type == config.model_config.device, (device, config.model_config.device)
+        self.config, self.model_info, self.device = config, model_info, device
+        self.dtype = _TORCH_DTYPES[config.model_config.dtype]
         self.block_size = config.cache_config.block_size
-        self.max_model_len = model_info.max_model_len
+        self.max_model_len = config.model_config.max_model_len
+        assert self.max_model_len is not None
         self.max_num_reqs = config.scheduler_config.max_num_seqs
-        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
-        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        cpu_kernels.set_enabled(config.compilation_config.custom_ops != "none")
 
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
-                                      model_info.vocab_size)
-        cpu_kernels.set_enabled(config.compilation_config.custom_ops != "none")
-        self.attn_backend = get_attn_backend(config.cache_config.attention_backend, device, self.dtype,
-                                             self.block_size)
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks_per_req, model_info.vocab_size)
+        self.buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens, self.max_num_reqs,
+                                    max_blocks_per_req, self.block_size, device)
+        self.attn_backend = get_attn_backend(config.cache_config.attention_backend)
         self.sampler = Sampler()
         self.sampling_metadata = SamplingMetadataBuilder(model_info.eos_token_ids, device)
         self.prompt_logprobs = PromptLogprobsProcessor(self.max_num_reqs)
+        self.profile = ProfileRun(self.buffers, self.attn_backend, self.sampler, self.dtype, self.max_model_len)
+        self.counts = ForwardCounts()
+        self.log_batch_execution = config.observability_config.log_batch_execution
+        # Built by load_model, which knows the process groups (a runner is built before, and tested without, them).
         self.model: torch.nn.Module | None = None
+        self.planner: BatchPlanner | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.sleep_mode: SleepMode | None = None  # once the KV cache exists
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
-        self._init_input_buffers()
-        # Known at load_model (a runner is built before, and tested without, the process groups).
-        self.dp_group: GroupCoordinator | None = None
-        # For tests: under lock-step DP every forward is coordinated, so the two are always equal.
-        self._forward_counter = _CallCounter()
-        self.num_dp_coordinations = 0
-        self.scratch_slot = -1  # the KV cache's extra slot that padded decode rows write to inside a graph
-        self._init_batch_execution()
-        self._init_sleep_mode()
 
     # ---- set-up ----------------------------------------------------------------------------
 
     def load_model(self) -> None:
-        parallel = self.config.parallel_config
         pp = get_pp_group()
-        self.model = load_model(self.model_info.path, dtype=self.dtype, device=self.device,
+        self.model = load_model(self.model_info.path, self.model_info.hf_config, dtype=self.dtype, device=self.device,
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
-                                partition=parallel.pp_layer_partition)
-        self.dp_group = get_dp_group()
-        # A hook counts every forward, on whatever path it comes.
-        self.model.register_forward_pre_hook(self._forward_counter)
+                                partition=self.config.parallel_config.pp_layer_partition)
+        self.model.register_forward_pre_hook(CountForwards(self.counts))
+        why_not_full = why_no_full_graphs(self.model_info.is_moe, get_ep_group().world_size > 1,
+                                          pp.world_size > 1, self.device, self.dtype, self.attn_backend)
+        dispatcher = CudagraphDispatcher(self.config.compilation_config, self.config.scheduler_config,
+                                         self.device.type, why_not_full)
+        self.planner = BatchPlanner(dispatcher, self.config.parallel_config, get_dp_group())
+        self.graphs = DecodeGraphs(dispatcher, self.attn_backend, self.buffers, self.device)
 
-    def reload_weights(self) -> None:
-        assert self.model is not None, "load_model first"
-        reload_weights(self.model, self.model_info.path)
-
-    @property
-    def num_forwards(self) -> int:
-        return self._forward_counter.count
-
-    def attention_layers(self) -> list[torch.nn.Module]:
-        from raylm.runner.layers.attention import Attention
-
+    def attention_layers(self) -> list[Attention]:
         assert self.model is not None, "load_model first"
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
@@ -131,15 +115,18 @@ class ModelRunner(BatchExecutionMixin, ProfileRunMixin, CUDAGraphCaptureMixin, S
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         # A pool smaller than max_model_len is allowed: the scheduler rejects each request that could never fit.
-        self.kv_caches = []
+        assert self.model is not None and self.graphs is not None, "load_model first"
         # One block past the scheduler's: inside a graph, padded rows write there (no per-row branch is possible).
-        extra = 1 if self._captures_decode_graphs() else 0
-        self.scratch_slot = num_blocks * self.block_size if extra else -1
+        extra = 1 if self.graphs.enabled else 0
+        self.graphs.scratch_slot = num_blocks * self.block_size if extra else -1
+        self.kv_caches = []
         for layer in self.attention_layers():
             shape = self.attn_backend.get_kv_cache_shape(num_blocks + extra, self.block_size, layer.num_kv_heads,
                                                          layer.head_size)
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
+        self.sleep_mode = SleepMode(self.model, self.kv_caches,
+                                    lambda: reload_weights(self.model, self.model_info.path))
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -153,27 +140,26 @@ class ModelRunner(BatchExecutionMixin, ProfileRunMixin, CUDAGraphCaptureMixin, S
         with tracing.span("update_states"):
             self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
-            if self.dp_group is not None and self.dp_group.world_size > 1:
-                # The other DP ranks' forwards wait for this one in their collectives.
-                self._dummy_run(1)
+            if self.planner is not None and self.planner.coordinates:
+                self.execute_dummy_batch()  # the other DP ranks' forwards wait for this one in their collectives
             return ModelRunnerOutput.empty()
         assert self.model is not None and self.kv_caches, "load_model and initialize_kv_cache come first"
         pp = get_pp_group()
         assert pp.is_first_rank or intermediate_tensors is not None, "a later pipeline stage needs the tensors sent"
 
         with tracing.span("prepare_inputs"):
-            common, num_tokens, sampling_rows, logits_indices = self._prepare_inputs(scheduler_output)
-        num_reqs = self.input_batch.num_reqs
-        # Each request in the batch has at least one scheduled token: as many tokens as requests is all decode.
-        output = self._run_forward(num_tokens, num_reqs, num_tokens == num_reqs, common, intermediate_tensors)
+            inputs = self.buffers.prepare(scheduler_output, self.input_batch)
+        output = self._run_forward(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode, inputs.common,
+                                   intermediate_tensors)
         if not pp.is_last_rank:
             return output
         assert isinstance(output, torch.Tensor)
         # Padding rows (if any) come after the real tokens: logits_indices never reach them.
         with tracing.span("compute_logits"):
-            logits = self.model.compute_logits(output[logits_indices]).float()
-            self.prompt_logprobs.compute(output, self.input_batch, self.query_start_loc.np, self.model.compute_logits)
-        self.execute_model_state = ExecuteModelState(scheduler_output, logits, sampling_rows)
+            logits = self.model.compute_logits(output[inputs.logits_indices]).float()
+            self.prompt_logprobs.compute(output, self.input_batch, self.buffers.query_start_loc.np,
+                                         self.model.compute_logits)
+        self.execute_model_state = ExecuteModelState(scheduler_output, logits, inputs.sampling_rows)
         return None
 
     @torch.inference_mode()
@@ -182,8 +168,7 @@ class ModelRunner(BatchExecutionMixin, ProfileRunMixin, CUDAGraphCaptureMixin, S
         if state is None:
             return None  # non-last pipeline stage, or execute_model already answered
         self.execute_model_state = None
-        batch = self.input_batch
-        rows = state.sampling_rows
+        batch, rows = self.input_batch, state.sampling_rows
         with tracing.span("sample"):
             sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
             sampled = sampler_output.sampled_token_ids.tolist()
@@ -198,6 +183,13 @@ class ModelRunner(BatchExecutionMixin, ProfileRunMixin, CUDAGraphCaptureMixin, S
                 sampled_token_ids[row] = [token]
         logprobs = to_logprobs_lists(batch, rows, sampler_output.logprobs_tensors)
         return ModelRunnerOutput(list(req_ids), sampled_token_ids, logprobs, self.prompt_logprobs.pop_completed())
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """A forward of one zero token at position 0, without attention metadata (the KV cache untouched), so that an
+        idle DP rank joins the collectives of the ranks with work. Nothing is sampled; the InputBatch is untouched."""
+        self.buffers.pad(0, 1)  # a dummy batch is padding only
+        self._run_forward(1, 1, True, None, None)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -219,6 +211,7 @@ class ModelRunner(BatchExecutionMixin, ProfileRunMixin, CUDAGraphCaptureMixin, S
 
         cached = scheduler_output.scheduled_cached_reqs
         requests, req_id_to_index = self.requests, batch.req_id_to_index
+        receives_tokens = any(cached.new_token_ids) and not get_pp_group().is_last_rank
         # Rows already in the batch get their computed-token counts in one numpy write.
         rows: list[int] = []
         rows_num_computed: list[int] = []
@@ -237,10 +230,84 @@ class ModelRunner(BatchExecutionMixin, ProfileRunMixin, CUDAGraphCaptureMixin, S
                 rows.append(row)
                 rows_num_computed.append(num_computed)
             # Only ranks that did not sample these tokens themselves (PP > 1) are sent them.
-            if cached.new_token_ids and cached.new_token_ids[i] and not get_pp_group().is_last_rank:
+            if receives_tokens:
                 for token in cached.new_token_ids[i]:
                     batch.append_token(row, token)
                     state.output_token_ids.append(token)
         if rows:
             batch.num_computed_tokens_cpu[rows] = rows_num_computed
         batch.condense()
+
+    # ---- the forward -----------------------------------------------------------------------
+
+    def _run_forward(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
+                     common: CommonAttentionMetadata | None,
+                     intermediate_tensors: IntermediateTensors | None) -> torch.Tensor | IntermediateTensors:
+        """The one call of the model, always after the batch decision (so after the DP coordination). The first
+        `num_tokens` input rows are written; padding rows are filled here. `common` None: a dummy batch. A later
+        pipeline stage without received tensors (dummy and profile runs: no stage-to-stage traffic) runs on zeros."""
+        model, planner, graphs, buffers = self.model, self.planner, self.graphs, self.buffers
+        assert model is not None and planner is not None and graphs is not None, "load_model first"
+        assert not self.is_sleeping(), "a forward while the weights or the KV cache are freed (sleep mode)"
+        with tracing.span("batch_decision", dp_sync=planner.coordinates):
+            descriptor = planner.determine_batch_execution_and_padding(num_tokens, num_reqs, uniform_decode)
+        n = descriptor.num_tokens_padded
+        if n > num_tokens:
+            buffers.pad(num_tokens, n)
+            self.counts.padded += 1
+        if intermediate_tensors is None and not get_pp_group().is_first_rank:
+            intermediate_tensors = model.make_empty_intermediate_tensors(n, self.dtype, self.device)
+        # The previous stage took the same decision for the same batch, so it sent n rows.
+        assert intermediate_tensors is None or intermediate_tensors["hidden_states"].shape[0] == n
+        ubatch_slices = None
+        if descriptor.should_ubatch:
+            cu_num_tokens = None if common is None else buffers.query_start_loc.np[:num_reqs + 1]
+            ubatch_slices = create_ubatch_slices(cu_num_tokens, num_tokens, n)
+        if self.log_batch_execution:
+            log_batch_execution(descriptor, ubatch_slices)
+        if ubatch_slices is not None:
+            self.counts.ubatched += 1
+            with tracing.span("forward", num_tokens=n, ubatches=len(ubatch_slices)):
+                return forward_in_ubatches(model, buffers, self.attn_backend, descriptor, ubatch_slices, common,
+                                           intermediate_tensors)
+        if common is not None and graphs.can_replay(descriptor):
+            assert uniform_decode and num_reqs == num_tokens, "FULL graphs are captured for uniform decode batches"
+            with tracing.span("forward", num_tokens=n, cuda_graph=True):
+                return graphs.replay(num_reqs, n)
+        attn_metadata = None if common is None else self.attn_backend.build(common)
+        with set_forward_context(attn_metadata, n, descriptor), tracing.span("forward", num_tokens=n):
+            return model(buffers.input_ids.gpu[:n], buffers.positions.gpu[:n], intermediate_tensors)
+
+    # ---- memory: profile, graphs, sleep ----------------------------------------------------
+
+    def profile_run(self) -> int:
+        """The max-size forward and sampler step before the KV cache exists; returns the scratch KV bytes it held."""
+        assert self.model is not None, "load_model first"
+        return self.profile.run(self.model, self.attention_layers(), self._run_forward, get_pp_group().is_last_rank)
+
+    def capture_model(self) -> int:
+        assert self.model is not None and self.graphs is not None, "load_model first"
+        return self.graphs.capture(self.model)
+
+    def cudagraph_memory_estimate(self) -> int:
+        assert self.graphs is not None, "load_model first"
+        max_seq_len = self.buffers.max_blocks_per_req * self.block_size  # the block table's whole width
+        return self.graphs.memory_estimate(self.attention_layers()[0], max_seq_len, self.dtype)
+
+    def sleep(self, level: int = 1) -> int:
+        assert self.sleep_mode is not None and self.graphs is not None, "initialize_kv_cache first"
+        self.graphs.drop()  # its graphs read the storages at their present addresses
+        return self.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        assert self.sleep_mode is not None, "initialize_kv_cache first"
+        self.sleep_mode.wake_up(tags)
+        if not self.sleep_mode.is_sleeping() and self.device.type == "cuda":
+            self.capture_model()
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode is not None and self.sleep_mode.is_sleeping()
+
+    def device_bytes(self) -> dict[str, int]:
+        assert self.sleep_mode is not None, "initialize_kv_cache first"
+        return self.sleep_mode.device_bytes()

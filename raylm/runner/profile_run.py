@@ -1,5 +1,5 @@
 """The profile run: the largest step the engine can take, on the real attention backend and the full sampler, so
-that the memory the KV cache may take is measured on what really runs (a ModelRunner mixin).
+that the memory the KV cache may take is measured on what really runs.
 
 It runs before the KV cache exists. Its batch is the heaviest one the scheduler can build for attention: requests of
 the longest query a step allows (up to max_model_len tokens), each at the end of a max_model_len context; every
@@ -11,75 +11,55 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
+from raylm.common.outputs import IntermediateTensors
 from raylm.runner.attention.backend import AttentionBackend
 from raylm.runner.attention.common import CommonAttentionMetadata
-from raylm.runner.input_buffers import InputBuffersMixin
-from raylm.runner.parallel_state import get_pp_group
+from raylm.runner.input_buffers import InputBuffers
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_metadata import SamplingMetadata
 
 # vLLM's default max_logprobs: the logprobs a request asks for at most, in the sampler's profile.
 PROFILE_NUM_LOGPROBS = 20
 
+# The runner's forward: (num_tokens, num_reqs, uniform_decode, attention metadata, received tensors) -> output.
+Forward = Callable[[int, int, bool, CommonAttentionMetadata | None, IntermediateTensors | None],
+                   torch.Tensor | IntermediateTensors]
 
-class ProfileRunMixin(InputBuffersMixin):
-    # Set by the ModelRunner.
-    model: torch.nn.Module | None
-    attn_backend: AttentionBackend
-    sampler: Sampler
-    dtype: torch.dtype
-    max_model_len: int
-    attention_layers: Callable[[], list[torch.nn.Module]]
+
+class ProfileRun:
+    def __init__(self, buffers: InputBuffers, attn_backend: AttentionBackend, sampler: Sampler, dtype: torch.dtype,
+                 max_model_len: int) -> None:
+        self.buffers, self.attn_backend, self.sampler = buffers, attn_backend, sampler
+        self.dtype, self.max_model_len = dtype, max_model_len
 
     @torch.inference_mode()
-    def profile_run(self) -> int:
-        """The max-size forward and sampler step; returns the bytes of the scratch KV cache it held (the caller's
-        peak includes them, an activation peak must not)."""
-        assert self.model is not None, "load_model first"
-        layers = self.attention_layers()
+    def run(self, model: torch.nn.Module, layers: list[torch.nn.Module], forward: Forward,
+            is_last_stage: bool) -> int:
+        """The max-size forward (through the runner's `forward`, the one caller of the model) and sampler step;
+        returns the bytes of the scratch KV cache it held (the caller's peak includes them, an activation peak must
+        not)."""
         assert all(layer.kv_cache.numel() == 0 for layer in layers), "the profile run comes before the KV cache"
-        common, num_tokens = self._prepare_profile_inputs(self.max_num_tokens)
+        buffers = self.buffers
+        common = buffers.prepare_profile(buffers.max_num_tokens, self.max_model_len)
         scratch = {}
         for layer in layers:  # layers alike share one scratch: the profile reads zeros and writes nothing
-            shape = self.attn_backend.get_kv_cache_shape(self.max_blocks_per_req, self.block_size,
+            shape = self.attn_backend.get_kv_cache_shape(buffers.max_blocks_per_req, buffers.block_size,
                                                          layer.num_kv_heads, layer.head_size)
-            layer.kv_cache = scratch.setdefault(shape, torch.zeros(shape, dtype=self.dtype, device=self.device))
+            layer.kv_cache = scratch.setdefault(shape, torch.zeros(shape, dtype=self.dtype, device=buffers.device))
         try:
-            hidden = self._run_forward(num_tokens, common.num_reqs, False, common, None)
+            hidden = forward(common.num_actual_tokens, common.num_reqs, False, common, None)
         finally:
             for layer in layers:
                 layer.kv_cache = torch.empty(0)
-        if get_pp_group().is_last_rank:
+        if is_last_stage:
             assert isinstance(hidden, torch.Tensor)
-            rows = torch.arange(self.max_num_reqs, device=hidden.device) % hidden.shape[0]
-            logits = self.model.compute_logits(hidden[rows]).float()
-            self.sampler(logits, profile_sampling_metadata(self.max_num_reqs, logits.shape[-1], self.device))
+            num_rows = buffers.max_num_reqs
+            rows = torch.arange(num_rows, device=hidden.device) % hidden.shape[0]
+            logits = model.compute_logits(hidden[rows]).float()
+            self.sampler(logits, profile_sampling_metadata(num_rows, logits.shape[-1], buffers.device))
         return sum(t.numel() * t.element_size() for t in scratch.values())
-
-    def _prepare_profile_inputs(self, num_tokens: int) -> tuple[CommonAttentionMetadata, int]:
-        """Requests of min(num_tokens, max_model_len) query tokens (the last one shorter), at most max_num_reqs of
-        them, each ending a max_model_len context over the scratch blocks 0..; slot -1 for every token."""
-        query_len = min(num_tokens, self.max_model_len)
-        num_reqs = min(-(-num_tokens // query_len), self.max_num_reqs)
-        num_tokens = min(num_tokens, num_reqs * query_len)
-        query_lens = np.full(num_reqs, query_len, dtype=np.int64)
-        query_lens[-1] = num_tokens - query_len * (num_reqs - 1)
-        cu_num_tokens = query_lens.cumsum()
-        starts = cu_num_tokens - query_lens
-        req_indices = np.repeat(np.arange(num_reqs), query_lens)
-        offsets = np.arange(num_tokens) - starts[req_indices]
-        self.positions.np[:num_tokens] = self.max_model_len - query_lens[req_indices] + offsets
-        self.input_ids.np[:num_tokens] = 0
-        self.slot_mapping.np[:num_tokens] = -1
-        self.query_start_loc.np[0] = 0
-        self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens
-        self.seq_lens.np[:num_reqs] = self.max_model_len
-        self.block_table[:num_reqs].copy_(torch.arange(self.max_blocks_per_req, dtype=torch.int32))
-        common = self._common_metadata(num_reqs, num_tokens, self.max_blocks_per_req, query_len, self.max_model_len)
-        return common, num_tokens
 
 
 def profile_sampling_metadata(num_rows: int, vocab_size: int, device: torch.device) -> SamplingMetadata:

@@ -67,16 +67,14 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(storage.nbytes() for storage in unique_storages(tensors))
 
 
-class SleepModeMixin:
-    """The ModelRunner's sleep and wake_up (see the module docstring)."""
+class SleepMode:
+    """One runner's sleep and wake_up (see the module docstring): the model and its KV cache tensors, and how to
+    reload the weights from the checkpoint (level 2)."""
 
-    # Set by the ModelRunner.
-    model: torch.nn.Module | None
-    kv_caches: list[torch.Tensor]
-    device: torch.device
-    reload_weights: Callable[[], None]
-
-    def _init_sleep_mode(self) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], reload_weights: Callable[[], None]
+                 ) -> None:
+        self.model, self.kv_caches, self.reload_weights = model, kv_caches, reload_weights
+        self.device = next(model.parameters()).device
         self.slept_weights: list[SleptStorage] | None = None
         self.slept_buffers: list[SleptStorage] | None = None
         self.slept_kv_cache: list[SleptStorage] | None = None
@@ -88,7 +86,6 @@ class SleepModeMixin:
 
     def weight_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(parameters, every other plain tensor the modules hold: buffers, say), without the KV cache."""
-        assert self.model is not None, "load_model first"
         params = list(self.model.parameters())
         others = [t for module in self.model.modules() for t in vars(module).values()
                   if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
@@ -97,7 +94,6 @@ class SleepModeMixin:
     def _drop_derived(self) -> None:
         """Drop the opaque tensors derived from the weights (packed CPU weights), which have no storage to free:
         process_weights_after_loading makes them again."""
-        assert self.model is not None
         self.rederive = []
         for module in self.model.modules():
             names = [name for name, value in vars(module).items()
@@ -119,7 +115,6 @@ class SleepModeMixin:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (offload the weights to CPU) or 2 (drop them), got {level}")
         before = sum(self.device_bytes().values())
-        self.graph_runner = None  # its graphs read the storages at their present addresses
         if self.slept_kv_cache is None:
             self.slept_kv_cache = offload(unique_storages(self.kv_caches), keep=False)
         if self.slept_weights is None:
@@ -138,7 +133,7 @@ class SleepModeMixin:
         return freed
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore the weights and/or the KV cache (all when `tags` is None); graphs come back with both."""
+        """Restore the weights and/or the KV cache (all when `tags` is None)."""
         wanted = set(SLEEP_TAGS if tags is None else tags)
         unknown = wanted - set(SLEEP_TAGS)
         if unknown:
@@ -157,5 +152,3 @@ class SleepModeMixin:
             for kv_cache in self.kv_caches:
                 kv_cache.zero_()
             self.slept_kv_cache = None
-        if not self.is_sleeping() and self.device.type == "cuda":
-            self.capture_model()

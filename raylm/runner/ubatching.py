@@ -15,8 +15,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from raylm.common.outputs import IntermediateTensors
+from raylm.runner.attention.backend import AttentionBackend
+from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.batch_descriptor import BatchDescriptor
 from raylm.runner.forward_context import set_forward_context
+from raylm.runner.input_buffers import InputBuffers
+from raylm.runner.ubatch_splitting import UBatchSlice, slice_attn_metadata, slice_tensors
 
 T = TypeVar("T")
 
@@ -112,3 +117,26 @@ def run_ubatches(forwards: Sequence[Callable[[], T]], attn_metadata: Sequence[An
     if errors:
         raise errors[0]
     return results
+
+
+def forward_in_ubatches(model: torch.nn.Module, buffers: InputBuffers, attn_backend: AttentionBackend,
+                        batch_descriptor: BatchDescriptor, ubatch_slices: list[UBatchSlice],
+                        common: CommonAttentionMetadata | None, intermediate_tensors: IntermediateTensors | None
+                        ) -> torch.Tensor | IntermediateTensors:
+    """One forward as micro-batches: each ubatch on its own thread with its own attention metadata, outputs
+    concatenated in token order (the rows an unsliced forward gives)."""
+    tensors = None if intermediate_tensors is None else intermediate_tensors.tensors
+
+    def forward(ubatch: UBatchSlice) -> Callable[[], Any]:
+        sliced = slice_tensors(tensors, ubatch)
+        received = None if sliced is None else IntermediateTensors(sliced)
+        rows = ubatch.token_slice
+        return lambda: model(buffers.input_ids.gpu[rows], buffers.positions.gpu[rows], received)
+
+    metadata = [None if common is None else attn_backend.build(slice_attn_metadata(common, ubatch))
+                for ubatch in ubatch_slices]
+    outputs = run_ubatches([forward(ubatch) for ubatch in ubatch_slices], metadata,
+                           [ubatch.num_tokens for ubatch in ubatch_slices], batch_descriptor, buffers.device)
+    if isinstance(outputs[0], IntermediateTensors):
+        return IntermediateTensors({key: torch.cat([out[key] for out in outputs]) for key in outputs[0].tensors})
+    return torch.cat(outputs)

@@ -13,7 +13,6 @@ from raylm.common import tracing
 from raylm.common.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
-from raylm.configs.model_info import ModelInfo
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.parallel_state import (
     get_dp_group,
@@ -21,7 +20,6 @@ from raylm.runner.parallel_state import (
     init_distributed_environment,
     init_model_parallel,
 )
-from raylm.runner.platform import device_type
 
 _GIB = 1 << 30
 
@@ -50,11 +48,11 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_info: ModelInfo, rank: int = 0, local_rank: int = 0,
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
                  distributed_init_method: str | None = None, num_threads: int | None = None,
                  data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
+        assert config.resolved is not None, "workers run a resolved config (resolve_engine_config)"
         self.config = config
-        self.model_info = model_info
         self.rank = rank  # within the engine; the global rank adds data_parallel.rank * world_size
         self.data_parallel = data_parallel
         self.local_rank = local_rank  # the CUDA device index in this process
@@ -68,7 +66,7 @@ class Worker:
         if self.config.observability_config.trace_file:
             pp, tp = divmod(self.rank, self.config.parallel_config.tensor_parallel_size)
             tracing.enable(f"rank {self.rank} (TP {tp}, PP {pp})", pid=1 + self.rank)
-        kind = device_type(self.config.model_config)
+        kind = self.config.model_config.device
         if kind == "cuda":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
@@ -84,7 +82,7 @@ class Worker:
         init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, dp.size,
                             parallel.enable_expert_parallel, backend=backend)
         torch.manual_seed(self.config.model_config.seed)
-        self.model_runner = ModelRunner(self.config, self.model_info, self.device)
+        self.model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:
         self._runner().load_model()
@@ -146,7 +144,7 @@ class Worker:
             torch.cuda.synchronize()
             used = free_before - torch.cuda.mem_get_info()[0]
             logger.info("captured %d CUDA graphs (sizes %s) in %.1f s, %.2f GiB", num_graphs,
-                        runner.cudagraph_dispatcher.full_capture_sizes, time.perf_counter() - start, used / _GIB)
+                        runner.graphs.dispatcher.full_capture_sizes, time.perf_counter() - start, used / _GIB)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run this rank's pipeline stage: receive from the previous stage, forward, send to the next. None: the
@@ -183,14 +181,14 @@ class Worker:
             self._runner().execute_dummy_batch()
 
     def forward_counts(self) -> tuple[int, int]:
-        """(forwards run, DP batch coordinations joined) so far: equal on every rank of lock-step DP engines."""
-        runner = self._runner()
-        return runner.num_forwards, runner.num_dp_coordinations
+        """(forwards the model ran, all-reduces completed on the DP group's CPU group) so far, counted apart: under
+        lock-step DP every forward joins one coordination, so the two are equal on every rank."""
+        return self._runner().counts.forwards, get_dp_group().num_cpu_all_reduces
 
     def batch_execution_counts(self) -> dict[str, int]:
         """Forwards run padded, and micro-batched, so far (how the batch decisions went)."""
-        runner = self._runner()
-        return {"padded": runner.num_padded_forwards, "ubatched": runner.num_ubatched_forwards}
+        counts = self._runner().counts
+        return {"padded": counts.padded, "ubatched": counts.ubatched}
 
     def has_unfinished_across_dp(self, has_unfinished: bool) -> bool:
         """Whether any lock-step DP engine still has requests: every DP rank asks at the same step, so this collective

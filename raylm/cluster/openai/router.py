@@ -50,8 +50,9 @@ class EngineModelRouter:
 
     async def model_card(self) -> ModelCard:
         await self.engine.wait_until_ready()
-        return ModelCard(id=self.engine.model_name, root=self.engine.model_info.path,
-                         max_model_len=self.engine.model_info.max_model_len)
+        config = self.engine.engine_config
+        return ModelCard(id=self.engine.model_name, root=config.model_info.path,
+                         max_model_len=config.model_config.max_model_len)
 
     async def list_models(self) -> list[ModelCard]:
         return [await self.model_card()]

@@ -75,22 +75,23 @@ class OpenAIServing:
         """Checked here rather than in the engine so that a stream fails with a status, not in-band. Like vLLM's
         server (and unlike the offline LLM, which stops at max_model_len), a prompt plus max_tokens beyond
         max_model_len is refused."""
-        info = self.engine.model_info
+        config = self.engine.engine_config
+        max_model_len, vocab_size = config.model_config.max_model_len, config.model_info.vocab_size
         if not token_ids:
             raise OpenAIError(f"{param}: it is empty (0 tokens)", param=param)
-        if len(token_ids) >= info.max_model_len:
+        if len(token_ids) >= max_model_len:
             raise OpenAIError(
-                f"This model's maximum context length is {info.max_model_len} tokens, and the {param} has "
+                f"This model's maximum context length is {max_model_len} tokens, and the {param} has "
                 f"{len(token_ids)} tokens: it must be shorter to leave room for at least one output token",
                 param=param)
-        if max_tokens is not None and len(token_ids) + max_tokens > info.max_model_len:
+        if max_tokens is not None and len(token_ids) + max_tokens > max_model_len:
             raise OpenAIError(  # vLLM's words
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
-                f"length is {info.max_model_len} tokens and your request has {len(token_ids)} input tokens "
-                f"({max_tokens} > {info.max_model_len} - {len(token_ids)}).", param=max_tokens_param)
-        outside = [t for t in token_ids if not 0 <= t < info.vocab_size]
+                f"length is {max_model_len} tokens and your request has {len(token_ids)} input tokens "
+                f"({max_tokens} > {max_model_len} - {len(token_ids)}).", param=max_tokens_param)
+        outside = [t for t in token_ids if not 0 <= t < vocab_size]
         if outside:
-            raise OpenAIError(f"{param}: token ids {outside[:5]} are outside the vocabulary [0, {info.vocab_size})",
+            raise OpenAIError(f"{param}: token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",
                               param=param)
         return {"prompt": text, "prompt_token_ids": token_ids}
 

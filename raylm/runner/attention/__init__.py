@@ -13,7 +13,7 @@ from raylm.runner.attention.flash_attn_backend import unavailable_reason as _fla
 from raylm.runner.attention.torch_backend import TorchAttentionBackend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "CommonAttentionMetadata", "CPUAttentionBackend",
-           "FlashAttentionBackend", "TorchAttentionBackend", "get_attn_backend"]
+           "FlashAttentionBackend", "TorchAttentionBackend", "choose_attn_backend", "get_attn_backend"]
 
 
 def _triton_unavailable(device: torch.device) -> str | None:
@@ -36,38 +36,55 @@ def _triton_backend() -> AttentionBackend:
     return TritonAttentionBackend()
 
 
-def get_attn_backend(name: str = "auto", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                     block_size: int = 16) -> AttentionBackend:
-    """The backend called `name`; "auto" picks the fastest one available for `device`, `dtype` and `block_size`."""
-    device = torch.device(device)
-    on_cpu = device.type == "cpu"
-    cpu_fits = on_cpu and dtype == torch.float32 and block_size % CPUAttentionBackend.block_size_multiple == 0
+def choose_attn_backend(name: str, device_type: str, dtype: torch.dtype = torch.float32, block_size: int = 16,
+                        custom_ops: bool = True) -> str:
+    """The backend `name` resolves to, checked: "auto" picks the fastest one available for the device, dtype and
+    block_size (`custom_ops` False: raylm's CPU kernels are off); a named one must be able to run. Raises a
+    ValueError naming the setting and why otherwise."""
+    device = torch.device(device_type)
+    cpu_fits = (device.type == "cpu" and dtype == torch.float32
+                and block_size % CPUAttentionBackend.block_size_multiple == 0)
     if name == "auto":
         if _flash_attn_unavailable(device, dtype, block_size) is None:
-            return FlashAttentionBackend()
+            return FlashAttentionBackend.name
         if device.type == "cuda" and _triton_unavailable(device) is None:
-            return _triton_backend()
-        return CPUAttentionBackend() if cpu_fits and CPUAttentionBackend.is_available() else TorchAttentionBackend()
+            return "triton"
+        return CPUAttentionBackend.name if cpu_fits and custom_ops and CPUAttentionBackend.is_available() else (
+            TorchAttentionBackend.name)
     if name == TorchAttentionBackend.name:
-        return TorchAttentionBackend()
+        return name
     if name == CPUAttentionBackend.name:
         if not cpu_fits:
             raise ValueError(f"attention_backend 'cpu' runs float32 on CPU with block_size a multiple of "
                              f"{CPUAttentionBackend.block_size_multiple} (here: device {device}, "
                              f"dtype {dtype}, block_size {block_size}); use 'torch' or 'auto'")
+        if not custom_ops:
+            raise ValueError("attention_backend 'cpu' needs raylm's CPU kernels, which custom_ops='none' turns off")
         if not CPUAttentionBackend.is_available():
             raise ValueError("attention_backend 'cpu': its kernels could not be built here (see the warning "
                              "above); use 'torch' or 'auto'")
-        return CPUAttentionBackend()
+        return name
     if name == "triton":
         reason = _triton_unavailable(device)
         if reason is not None:
             raise ValueError(f"attention_backend 'triton' is not available: {reason}; use 'torch' or 'auto'")
-        return _triton_backend()
+        return name
     if name == FlashAttentionBackend.name:
         reason = _flash_attn_unavailable(device, dtype, block_size)
         if reason is not None:
             raise ValueError(f"attention_backend 'flash_attn' is not available: {reason}; use 'triton', 'torch' or "
                              f"'auto'")
-        return FlashAttentionBackend()
+        return name
     raise ValueError(f"unknown attention backend {name!r}; known: 'auto', 'torch', 'cpu', 'triton', 'flash_attn'")
+
+
+def get_attn_backend(name: str) -> AttentionBackend:
+    """The backend of a resolved name (choose_attn_backend decided and checked it)."""
+    if name == TorchAttentionBackend.name:
+        return TorchAttentionBackend()
+    if name == CPUAttentionBackend.name:
+        return CPUAttentionBackend()
+    if name == FlashAttentionBackend.name:
+        return FlashAttentionBackend()
+    assert name == "triton", f"attention backend {name!r} was not resolved"
+    return _triton_backend()

@@ -29,7 +29,7 @@ class CPUAttentionBackend(AttentionBackend):
 
     @staticmethod
     def is_available() -> bool:
-        return cpu_kernels.is_enabled() and cpu_kernels.load() is not None
+        return cpu_kernels.load() is not None
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -22,12 +22,6 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 
-def load_hf_config(model_path: str | Path) -> PretrainedConfig:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(model_path))
-
-
 def safetensors_files(model_path: str | Path) -> list[Path]:
     path = Path(model_path)
     if (path / SAFE_WEIGHTS_INDEX_NAME).exists():
@@ -58,12 +52,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_path: str | Path, hf_config: PretrainedConfig | None = None, dtype: torch.dtype = torch.float32,
+def load_model(model_path: str | Path, hf_config: PretrainedConfig, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", pp_rank: int = 0, pp_size: int = 1,
                partition: list[int] | None = None) -> nn.Module:
-    """The model of pipeline stage `pp_rank` (TP sharding from runner.parallel_state), weights loaded, in eval
-    mode. `hf_config` None: read from `model_path`. Raises if the checkpoint lacks a weight the stage needs."""
-    hf_config = hf_config or load_hf_config(model_path)
+    """The model of pipeline stage `pp_rank` (TP sharding from runner.parallel_state), built from `hf_config` (the
+    checkpoint's config, read once with the engine's ModelInfo), weights loaded, in eval mode. Raises if the
+    checkpoint lacks a weight the stage needs."""
     model_cls = get_model_cls(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, pp_rank=pp_rank, pp_size=pp_size, partition=partition)

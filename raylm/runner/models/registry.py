@@ -24,11 +24,16 @@ _MODELS: dict[str, type[nn.Module]] = {
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
 
+def check_architecture(architecture: str) -> None:
+    """Raise, naming the supported ones, unless raylm has a model for `architecture` (config.json's first)."""
+    if architecture not in _MODELS:
+        raise ValueError(f"model: unsupported architecture {architecture!r}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
 def get_model_cls(hf_config: PretrainedConfig) -> type[nn.Module]:
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"the model config names no architecture; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if architectures[0] not in _MODELS:
-        raise ValueError(f"unsupported model architecture {architectures[0]!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    check_architecture(architectures[0])
     return _MODELS[architectures[0]]

@@ -1,0 +1,149 @@
+"""One resolve step (raylm/cluster/config_resolver.py): every `auto` and derived decision is made once, where the
+engine runs, and every layer reads the resolved fields. Ray here declares fake GPUs; no CUDA worker starts."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pydantic
+import pytest
+import ray
+import torch
+
+from raylm import LLM, SamplingParams
+from raylm.cluster.config_resolver import resolve_engine_config
+from raylm.cluster.serve import llm_server_options
+from raylm.configs import make_engine_config
+
+
+@pytest.fixture(scope="module")
+def bf16_path(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bf16") / "llama"
+    shutil.copytree(llama_path, path)
+    hf = json.loads((path / "config.json").read_text())
+    hf.pop("dtype", None)
+    hf["torch_dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
+@pytest.fixture
+def gpus(request: pytest.FixtureRequest) -> Iterator[int]:
+    assert not ray.is_initialized(), "this module starts its own Ray, with GPUs declared"
+    ray.init(address="local", num_cpus=4, num_gpus=request.param, include_dashboard=False)
+    yield request.param
+    ray.shutdown()
+
+
+@pytest.mark.parametrize(("gpus", "device", "dtype", "attention"), [(2, "cuda", "bfloat16", "triton"),
+                                                                     (0, "cpu", "float32", "cpu")],
+                         indirect=["gpus"])
+def test_ray_workers_decide_device_dtype_and_backend(bf16_path: Path, gpus: int, device: str, dtype: str,
+                                                     attention: str) -> None:
+    """A CPU-only driver of a cluster with GPUs runs CUDA workers in the checkpoint's bfloat16."""
+    assert not torch.cuda.is_available(), "the driver has no CUDA"
+    config = resolve_engine_config(make_engine_config(model=str(bf16_path), tensor_parallel_size=2,
+                                                      max_model_len=128))
+    assert config.resolved is not None and config.resolved.num_ray_bundles == 3
+    assert (config.model_config.device, config.model_config.dtype) == (device, dtype)
+    assert config.model_info.checkpoint_dtype == "bfloat16"
+    assert config.cache_config.attention_backend == attention
+    assert config.parallel_config.distributed_executor_backend == "ray"
+    assert config.compilation_config.cudagraph_mode == ("FULL_DECODE_ONLY" if device == "cuda" else "NONE")
+    assert resolve_engine_config(config) is config  # resolved once
+
+
+@pytest.mark.parametrize("gpus", [1], indirect=True)
+def test_a_process_without_a_gpu_puts_its_worker_on_ray(bf16_path: Path, gpus: int) -> None:
+    """A Serve replica given no GPU (or a job's CPU head) never builds a CPU engine on a GPU cluster by accident: its
+    one worker goes to a GPU actor."""
+    config = resolve_engine_config(make_engine_config(model=str(bf16_path), max_model_len=128))
+    assert config.model_config.device == "cuda" and config.parallel_config.distributed_executor_backend == "ray"
+    with pytest.raises(ValueError, match="'uni' runs the worker in this process, which has no GPU"):
+        resolve_engine_config(make_engine_config(model=str(bf16_path), distributed_executor_backend="uni"))
+
+
+@pytest.mark.parametrize("gpus", [2], indirect=True)
+def test_serve_gives_replicas_what_the_resolver_will_decide(bf16_path: Path, gpus: int) -> None:
+    in_process = llm_server_options(make_engine_config(model=str(bf16_path)))
+    assert in_process["ray_actor_options"]["num_gpus"] == 1 and "placement_group_bundles" not in in_process
+    with_workers = llm_server_options(make_engine_config(model=str(bf16_path), tensor_parallel_size=2))
+    assert with_workers["ray_actor_options"]["num_gpus"] == 0
+    bundles = with_workers["placement_group_bundles"]
+    assert bundles[0].get("GPU", 0) == 0 and sum(bundle.get("GPU", 0) for bundle in bundles) == 2
+
+
+def test_serve_builds_without_ray_and_leaves_the_device_to_the_replica(bf16_path: Path) -> None:
+    options = llm_server_options(make_engine_config(model=str(bf16_path)))
+    assert options["ray_actor_options"]["num_gpus"] == 0 and "placement_group_bundles" not in options
+    assert not ray.is_initialized()
+
+
+def test_in_process_worker_decides_from_local_torch(bf16_path: Path) -> None:
+    config = resolve_engine_config(make_engine_config(model=str(bf16_path), max_model_len=128))
+    assert (config.model_config.device, config.model_config.dtype) == ("cpu", "float32")
+    assert config.parallel_config.distributed_executor_backend == "uni"
+    assert not ray.is_initialized(), "an in-process worker needs no Ray"
+
+
+def test_checkpoint_is_checked_on_the_driver(llama_path: Path, tmp_path: Path) -> None:
+    """An unsupported architecture or impossible setting fails before any worker is placed."""
+    shutil.copytree(llama_path, tmp_path / "gpt2")
+    hf = json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({**hf, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM"):
+        resolve_engine_config(make_engine_config(model=str(tmp_path / "gpt2"), tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no experts"):
+        resolve_engine_config(make_engine_config(model=str(llama_path), enable_expert_parallel=True))
+    assert not ray.is_initialized()
+
+
+def test_pipeline_parallel_keeps_async_scheduling_to_the_batch_queue(llama_path: Path) -> None:
+    config = resolve_engine_config(make_engine_config(model=str(llama_path), pipeline_parallel_size=2, device="cpu",
+                                                      async_scheduling=True))
+    assert config.resolved is not None and config.resolved.max_concurrent_batches == 3
+    assert not config.scheduler_config.async_scheduling  # no placeholders: stage 0 waits for sampled tokens
+
+
+def test_a_resolved_config_is_frozen(llama_path: Path) -> None:
+    config = resolve_engine_config(make_engine_config(model=str(llama_path)))
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        config.model_config.device = "cuda"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.resolved = None  # type: ignore[misc]
+
+
+def test_every_layer_reads_the_resolved_fields(llama_path: Path) -> None:
+    """Change resolved fields after resolution, and every layer follows them instead of deciding again: the runner's
+    attention backend, dtype and graph mode, the scheduler's and the runner's max_model_len, the engine's batch queue
+    and the executor's step thread."""
+    config = resolve_engine_config(make_engine_config(model=str(llama_path), max_num_seqs=4, max_model_len=256))
+    assert config.resolved is not None
+    assert (config.cache_config.attention_backend, config.model_config.dtype) == ("cpu", "float32")
+    changed = dataclasses.replace(
+        config,
+        model_config=config.model_config.model_copy(update={"dtype": "bfloat16", "max_model_len": 64}),
+        cache_config=config.cache_config.model_copy(update={"attention_backend": "torch"}),
+        scheduler_config=config.scheduler_config.model_copy(update={"async_scheduling": True}),
+        compilation_config=config.compilation_config.model_copy(update={"cudagraph_mode": "FULL_DECODE_ONLY"}),
+        resolved=dataclasses.replace(config.resolved, max_concurrent_batches=2))
+    llm = LLM.from_engine_config(changed)
+    try:
+        core = llm.llm_engine.engine_core
+        runner = core.executor.worker.model_runner
+        assert runner.attn_backend.name == "torch" and runner.dtype == torch.bfloat16
+        assert runner.kv_caches[0].dtype == torch.bfloat16
+        assert runner.graphs.dispatcher.mode_name == "FULL_DECODE_ONLY"
+        assert runner.input_batch.max_model_len == 64 and core.scheduler.max_model_len == 64
+        assert core.batch_queue is not None and core.batch_queue.maxlen == 2
+        assert core.executor._thread is not None  # async scheduling's step thread
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        with pytest.raises(ValueError, match="max_model_len"):
+            llm.generate([{"prompt_token_ids": list(range(5, 70))}], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
