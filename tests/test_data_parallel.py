@@ -13,11 +13,11 @@ import pytest
 import ray
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.async_llm import AsyncLLM, EngineDeadError
+from raylm.cluster.async_llm import AsyncLLM
 from raylm.cluster.dp_client import DPEngineCoreClient
 from raylm.cluster.dp_load_balancer import DPLoadBalancer
 from raylm.cluster.openai.metrics import PrometheusStatLogger
-from raylm.cluster.outputs import DPEngineDiedError
+from raylm.cluster.outputs import DPEngineDiedError, EngineDeadError
 from raylm.configs import make_engine_config
 from tests.reference import TOP_K, assert_same_output
 

@@ -27,20 +27,12 @@ from raylm.cluster.engine_commands import (
     post_outputs,
 )
 from raylm.cluster.llm_engine import LLMEngine, PromptType
-from raylm.cluster.outputs import DPEngineDiedError, RequestOutput
+from raylm.cluster.outputs import DPEngineDiedError, EngineDeadError, EngineNotReadyError, RequestOutput
 from raylm.cluster.stats import FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (an error, or shutdown): nothing more can be served."""
-
-
-class EngineNotReadyError(RuntimeError):
-    """The engine is still loading the model."""
 
 
 @dataclass

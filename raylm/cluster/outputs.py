@@ -10,6 +10,14 @@ class EngineSleepingError(ValueError):
     """A request reached an engine put to sleep (LLM.sleep): a ValueError, so a server fails that request only."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (an error, or shutdown): nothing more can be served."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still loading the model."""
+
+
 class DPEngineDiedError(RuntimeError):
     """A data-parallel engine died; `request_ids` were on it and are lost. `fatal`: no engine can serve any more."""
 

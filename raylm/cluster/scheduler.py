@@ -50,9 +50,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished, aborted or preempted since the last schedule
         self.num_preemptions = 0
-        # Prompt tokens of the requests that got their first output token (cached ones included): what vLLM's stats
-        # line and its Prometheus counter vllm:prompt_tokens both count.
-        self.num_prompt_tokens = 0
+        self.num_prompt_tokens = 0  # of requests that got their first token: vLLM's stats line and vllm:prompt_tokens
 
     # ---- requests in and out ---------------------------------------------------------------
 

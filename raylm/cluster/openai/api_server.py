@@ -15,13 +15,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from raylm.cluster.async_llm import AsyncLLM, EngineDeadError
+from raylm.cluster.async_llm import AsyncLLM
 from raylm.cluster.default_model import served_model_name
 from raylm.cluster.openai.dev_endpoints import include_dev_endpoints
 from raylm.cluster.openai.errors import OpenAIError, error_json, error_response, install_error_handlers
 from raylm.cluster.openai.metrics import PrometheusStatLogger
 from raylm.cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from raylm.cluster.openai.router import EngineModelRouter, ModelRouter, ServingResult
+from raylm.cluster.outputs import EngineDeadError
 from raylm.configs import EngineConfig
 
 T = TypeVar("T")

@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from raylm.cluster.async_llm import EngineDeadError, EngineNotReadyError
 from raylm.cluster.openai.protocol import ErrorInfo, ErrorResponse
+from raylm.cluster.outputs import EngineDeadError, EngineNotReadyError
 
 logger = logging.getLogger(__name__)
 
