@@ -159,6 +159,8 @@ class AsyncLLM:
         finally:
             self._started.set()
         engine = self._engine
+        for stat_logger in self.stat_loggers:
+            stat_logger.engine_started(engine.config)
         try:
             while self._wait_for_work():
                 iterations = [IterationStats() for _ in range(engine.engine_core.num_engines)]

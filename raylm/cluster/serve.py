@@ -50,8 +50,8 @@ class LLMServer:
     async def __init__(self, config: EngineConfig) -> None:
         replica = serve.get_replica_context().replica_id.unique_id
         model_name = served_model_name(config.model_config)
-        self.metrics = PrometheusStatLogger(model_name, config.cache_config, replica)
-        ray_metrics = RayPrometheusStatLogger(model_name, config.cache_config, replica)
+        self.metrics = PrometheusStatLogger(model_name, replica)
+        ray_metrics = RayPrometheusStatLogger(model_name, replica)
         self.engine = AsyncLLM(config, stat_loggers=[self.metrics, ray_metrics])
         await self.engine.wait_until_ready()
         self.api_key = config.serving_config.api_key

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from raylm.common.logger import show_info
+from raylm.configs import EngineConfig
 
 logger = logging.getLogger("raylm.stats")
 
@@ -68,6 +69,9 @@ class IterationStats:
 
 
 class StatLogger(Protocol):
+    def engine_started(self, config: EngineConfig) -> None:
+        """Called once the engine is built, with its resolved config (before any record)."""
+
     def record(self, engine_index: int, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         """Called from the engine thread after every step, once per data-parallel engine: must be quick and
         thread-safe."""
@@ -82,6 +86,9 @@ class LoggingStatLogger:
         self.interval_s = interval_s
         self._last: dict[int, tuple[float, SchedulerStats]] = {}
         show_info(logger)
+
+    def engine_started(self, config: EngineConfig) -> None:
+        pass  # the line shows counts only
 
     def due(self, engine_index: int = 0) -> bool:
         """Whether the next record of this engine would log (or start its first interval)."""

@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from raylm.cluster.stats import IterationStats, SchedulerStats
-from raylm.configs import CacheConfig
+from raylm.configs import CacheConfig, EngineConfig
 
 FINISH_REASONS = ("stop", "length", "abort")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -19,10 +19,10 @@ _TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, cache_config: CacheConfig | None = None, replica: str | None = None) -> None:
+    def __init__(self, model_name: str, replica: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.cache_config = cache_config
+        self.cache_config: CacheConfig | None = None  # the engine's resolved one, once it has started
         self.constant_labels = {"model_name": model_name} | ({"replica": replica} if replica else {})
         labels = [*self.constant_labels, "engine"]  # engine: the data-parallel engine index, as vLLM labels it
 
@@ -81,6 +81,11 @@ class PrometheusStatLogger:
     def _histogram(self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Any:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
+    def engine_started(self, config: EngineConfig) -> None:
+        self.cache_config = config.cache_config
+        for engine_index in self._last_stats:
+            self._set_cache_config_info(engine_index)
+
     def _add_engine(self, engine_index: int) -> None:
         """Series that show from the start: every finish reason at 0 (so rates over it are defined before the
         first abort), and the cache settings."""
@@ -88,9 +93,12 @@ class PrometheusStatLogger:
         label = self._labels(engine_index)
         for reason in FINISH_REASONS:
             self.request_success.labels(finished_reason=reason, **label)
+        self._set_cache_config_info(engine_index)
+
+    def _set_cache_config_info(self, engine_index: int) -> None:
         if self.cache_config is not None:
             settings = {name: str(value) for name, value in self.cache_config.model_dump().items()}
-            self.cache_config_info.labels(**label, **settings).set(1)
+            self.cache_config_info.labels(**self._labels(engine_index), **settings).set(1)
 
     def _labels(self, engine_index: int) -> dict[str, str]:
         return self.constant_labels | {"engine": str(engine_index)}
