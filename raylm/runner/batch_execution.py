@@ -138,7 +138,8 @@ class BatchExecutionMixin(InputBuffersMixin):
                 return self._run_ubatches(batch_descriptor, ubatch_slices, common, intermediate_tensors)
         graphs = self.graph_runner
         if (batch_descriptor.cudagraph_mode == CUDAGraphMode.FULL and common is not None and graphs is not None
-                and graphs.has(n)):
+                and graphs.has(n) and self.attn_backend.decode_graph_fits(common.seq_lens_cpu, n, self.kv_caches[0],
+                                                                          self.max_blocks_per_req)):
             assert uniform_decode and num_reqs == num_tokens, "FULL graphs are captured for uniform decode batches"
             self._pad_decode_graph_inputs(num_reqs, n)
             with tracing.span("forward", num_tokens=n, cuda_graph=True):
