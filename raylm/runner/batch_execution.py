@@ -28,7 +28,7 @@ from raylm.runner.forward_context import set_forward_context
 from raylm.runner.group_coordinator import GroupCoordinator
 from raylm.runner.input_buffers import InputBuffersMixin
 from raylm.runner.layers.fused_moe import why_grouped_mm_syncs
-from raylm.runner.parallel_state import get_ep_group, get_pp_group
+from raylm.runner.parallel_state import get_pp_group
 from raylm.runner.ubatch_splitting import (
     UBatchSlice,
     check_ubatch_thresholds,
@@ -69,8 +69,6 @@ class BatchExecutionMixin(InputBuffersMixin):
     def _why_no_full_graphs(self) -> str | None:
         """Why this model cannot replay as one captured graph (None: it can). On CPU nothing is captured: FULL only
         pads there (so tests run the padding paths), whatever the attention backend or the experts' matmul."""
-        if self.model_info.is_moe and get_ep_group().world_size > 1:
-            return "expert parallel's all_to_all reads the token counts to the host"
         if self.model_info.is_moe and self.device.type == "cuda":
             reason = why_grouped_mm_syncs(self.device, self.dtype)
             if reason is not None:
