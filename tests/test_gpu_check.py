@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
-from scripts import gpu_check, gpu_measure
+from raylm.runner.cuda_graph import CUDAGraphRunner
+from scripts import gpu_check, gpu_measure, gpu_proof
 from scripts.bench_common import vocab_size
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +53,49 @@ def test_random_qwen_runs_in_raylm_and_transformers(llama_path: Path, tmp_path: 
     assert [len(t) for t in tokens] == [gpu_measure.GREEDY.max_tokens] * 3
 
 
+class CpuGraphs(CUDAGraphRunner):
+    """CUDAGraphRunner without CUDA: 'capture' keeps the body, 'replay' runs it; the counts are the real class's."""
+
+    def capture(self, sizes: list[int], body: Callable[[int], torch.Tensor]) -> None:
+        self.body = body
+        for n in sizes:
+            self.graphs[n] = None  # type: ignore[assignment]  # nothing to replay: replay() runs the body
+            self.num_captures[n] += 1
+
+    def replay(self, num_tokens: int) -> torch.Tensor:
+        self.num_replays[num_tokens] += 1
+        return self.body(num_tokens)
+
+
+def test_graph_proof_passes_replayed_steps_and_fails_eager_ones(llama_path: Path) -> None:
+    """What section 2 proves, on the runner's real replay path: every timed step's graph key says it replayed the
+    graph of its padded size, captured once; with no graph captured the same steps run eagerly, and both the step
+    rows and the capture row fail."""
+    llm = gpu_measure.make_llm(llama_path, max_model_len=128, attention_backend="torch",
+                               cudagraph_capture_sizes=[1, 2, 4])
+    try:
+        runner = llm.llm_engine.engine_core.executor.collective_rpc(lambda worker: worker.model_runner)[0]
+        graphs = CpuGraphs()
+        graphs.capture([1, 2, 4], runner._decode_graph_forward)
+        runner.graph_runner = graphs
+        value, ok = gpu_proof.check_replays(gpu_proof.timed_decode(llm, 3, steps=4, warmup=2), graphs=True)
+        assert ok and value.endswith("4/4 steps replayed (FULL/4 replayed x4)")
+        value, ok = gpu_proof.check_captures(gpu_proof.graph_report(llm))
+        # The warm-up's decode step replayed too (its prefill ran eagerly).
+        assert ok and value == "3/3 sizes captured once each; replays by size 4: 5"
+
+        runner.graph_runner = CUDAGraphRunner()  # nothing captured: the planned replays run eagerly
+        run = gpu_proof.timed_decode(llm, 3, steps=4, warmup=2)
+        value, ok = gpu_proof.check_replays(run, graphs=True)
+        assert not ok and "0/4 steps replayed (FULL/4 EAGER x4)" in value
+        assert not gpu_proof.check_captures(gpu_proof.graph_report(llm))[1]
+        assert gpu_proof.check_replays(run, graphs=False) == (value.replace(
+            "0/4 steps replayed (FULL/4 EAGER x4)", "eager (FULL/4 EAGER x4)"), True)
+        assert gpu_proof.sync_debug_decode(llm, gpu_proof.SYNC_CASES["greedy"]) == "n/a (CPU)"
+    finally:
+        gpu_measure.close(llm)
+
+
 def test_a_failing_section_is_a_failed_row_and_the_table_marks_it(llama_path: Path) -> None:
     check = gpu_check.GpuCheck(llama_path, llama_path, llama_path)
     gpu_check.run_section(check, "4 bandwidth", gpu_check.check_bandwidth)  # section 3 never ran
@@ -57,6 +103,7 @@ def test_a_failing_section_is_a_failed_row_and_the_table_marks_it(llama_path: Pa
     assert check.rows[0]["ok"] is False and "needs section 3" in check.rows[0]["value"]
     lines = gpu_measure.format_table(check.rows).splitlines()
     assert lines[0].startswith("section") and lines[1].endswith("| FAIL") and lines[2].endswith("| PASS")
+    assert all(column in lines[0] for column in ("backend", "dtype", "graphs", "sync"))
     assert len({line.index("| ") for line in lines}) == 1  # aligned columns
 
 

@@ -25,6 +25,7 @@ from raylm.runner.cuda_graph import CUDAGraphRunner
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from raylm.runner.dp_utils import coordinate_batch_across_dp
 from raylm.runner.forward_context import set_forward_context
+from raylm.runner.forward_log import ForwardLog
 from raylm.runner.group_coordinator import GroupCoordinator
 from raylm.runner.input_buffers import InputBuffersMixin
 from raylm.runner.layers.fused_moe import why_grouped_mm_syncs
@@ -60,6 +61,7 @@ class BatchExecutionMixin(InputBuffersMixin):
             logger.info("cudagraph_mode %s: no FULL CUDA graphs (%s); decode batches run eagerly",
                         self.cudagraph_dispatcher.mode_name, why_not_full)
         self.graph_runner: CUDAGraphRunner | None = None
+        self.forward_log = ForwardLog()  # the graph key of recent forwards, for scripts/gpu_check.py
         self.num_padded_forwards = 0
         self.num_ubatched_forwards = 0
         self.log_batch_execution = self.config.observability_config.log_batch_execution
@@ -131,13 +133,18 @@ class BatchExecutionMixin(InputBuffersMixin):
             ubatch_slices = create_ubatch_slices(cu_num_tokens, num_tokens, n)
         if self.log_batch_execution:
             _log_batch_execution(batch_descriptor, ubatch_slices)
+        graphs = self.graph_runner
+        should_replay = (batch_descriptor.cudagraph_mode == CUDAGraphMode.FULL and common is not None
+                         and graphs is not None and ubatch_slices is None)
+        replay = (should_replay and graphs is not None and common is not None and graphs.has(n)
+                  and self.attn_backend.decode_graph_fits(common.seq_lens_cpu, n, self.kv_caches[0],
+                                                          self.max_blocks_per_req))
+        self.forward_log.record(batch_descriptor, should_replay, replay)
         if ubatch_slices is not None:
             with tracing.span("forward", num_tokens=n, ubatches=len(ubatch_slices)):
                 return self._run_ubatches(batch_descriptor, ubatch_slices, common, intermediate_tensors)
-        graphs = self.graph_runner
-        if (batch_descriptor.cudagraph_mode == CUDAGraphMode.FULL and common is not None and graphs is not None
-                and graphs.has(n) and self.attn_backend.decode_graph_fits(common.seq_lens_cpu, n, self.kv_caches[0],
-                                                                          self.max_blocks_per_req)):
+        if replay:
+            assert graphs is not None
             assert uniform_decode and num_reqs == num_tokens, "FULL graphs are captured for uniform decode batches"
             self._pad_decode_graph_inputs(num_reqs, n)
             with tracing.span("forward", num_tokens=n, cuda_graph=True):

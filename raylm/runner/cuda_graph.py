@@ -4,6 +4,7 @@ buffers (input ids, positions, slot mapping, seq_lens, query_start_loc, block ta
 those (the backend's build_decode_graph: torch, triton and flash_attn have one)."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,8 @@ class CUDAGraphRunner:
         # The captured forwards' outputs: fixed tensors that every replay of their graph overwrites.
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: tuple[int, int] | None = None
+        self.num_captures: Counter[int] = Counter()  # per padded size: what gpu_check proves
+        self.num_replays: Counter[int] = Counter()
 
     def capture(self, sizes: list[int], body: Callable[[int], torch.Tensor]) -> None:
         """Capture `body(n)` (a forward on the first n rows of persistent buffers) for every n in `sizes`."""
@@ -36,6 +39,7 @@ class CUDAGraphRunner:
                 output = body(n)
             assert isinstance(output, torch.Tensor), "graphs are captured for a single pipeline stage"
             self.graphs[n], self.outputs[n] = graph, output
+            self.num_captures[n] += 1
         torch.cuda.synchronize()
 
     def has(self, num_tokens: int) -> bool:
@@ -45,6 +49,7 @@ class CUDAGraphRunner:
         """The forward on the current contents of the persistent buffers; the result is overwritten by the next
         replay of the same size."""
         self.graphs[num_tokens].replay()
+        self.num_replays[num_tokens] += 1
         return self.outputs[num_tokens]
 
 

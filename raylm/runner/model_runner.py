@@ -27,6 +27,7 @@ from raylm.runner.attention import get_attn_backend
 from raylm.runner.batch_execution import BatchExecutionMixin
 from raylm.runner.cuda_graph import CUDAGraphCaptureMixin
 from raylm.runner.group_coordinator import GroupCoordinator
+from raylm.runner.host_sync import to_host
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.models.loader import load_model, reload_weights
 from raylm.runner.parallel_state import get_dp_group, get_pp_group
@@ -186,7 +187,7 @@ class ModelRunner(BatchExecutionMixin, ProfileRunMixin, CUDAGraphCaptureMixin, S
         rows = state.sampling_rows
         with tracing.span("sample"):
             sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
-            sampled = sampler_output.sampled_token_ids.tolist()
+            sampled = to_host(sampler_output.sampled_token_ids)[0].tolist()  # the step's one host wait
         batch.append_sampled(rows, sampled)
 
         req_ids = batch.req_ids[: batch.num_reqs]

@@ -192,6 +192,16 @@ class Worker:
         runner = self._runner()
         return {"padded": runner.num_padded_forwards, "ubatched": runner.num_ubatched_forwards}
 
+    def cuda_graph_report(self) -> dict[str, Any]:
+        """The sizes FULL graphs are captured for, the graphs captured and replayed per padded size so far, and the
+        forwards run since the last call with their graph keys (runner/forward_log.py)."""
+        runner = self._runner()
+        graphs = runner.graph_runner
+        return {"capture_sizes": list(runner.cudagraph_dispatcher.full_capture_sizes) if graphs is not None else [],
+                "captured": dict(graphs.num_captures) if graphs is not None else {},
+                "replayed": dict(graphs.num_replays) if graphs is not None else {},
+                "forwards": runner.forward_log.drain()}
+
     def has_unfinished_across_dp(self, has_unfinished: bool) -> bool:
         """Whether any lock-step DP engine still has requests: every DP rank asks at the same step, so this collective
         pairs up like the forwards do."""
