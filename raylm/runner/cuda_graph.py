@@ -112,4 +112,5 @@ class CUDAGraphCaptureMixin(InputBuffersMixin):
         layer = self.attention_layers()[0]
         return self.attn_backend.decode_graph_bytes(max(self.cudagraph_dispatcher.full_capture_sizes),
                                                     self.max_blocks_per_req * self.block_size, layer.num_heads,
-                                                    layer.num_kv_heads, layer.head_size, element_size)
+                                                    layer.num_kv_heads, layer.head_size, element_size,
+                                                    self.block_size)

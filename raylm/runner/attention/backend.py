@@ -56,7 +56,7 @@ class AttentionBackend(ABC):
         return True
 
     def decode_graph_bytes(self, num_reqs: int, max_keys: int, num_heads: int, num_kv_heads: int, head_size: int,
-                           element_size: int) -> int:
+                           element_size: int, block_size: int) -> int:
         """Memory one layer's fixed-buffer decode of `num_reqs` requests allocates beyond its output (part of the
         CUDA-graph estimate); none by default."""
         return 0

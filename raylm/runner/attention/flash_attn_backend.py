@@ -83,7 +83,7 @@ class FlashAttentionBackend(AttentionBackend):
         return FlashDecodeGraphMetadata(self, buffers.slot_mapping.shape[0], buffers)
 
     def decode_graph_bytes(self, num_reqs: int, max_keys: int, num_heads: int, num_kv_heads: int, head_size: int,
-                           element_size: int) -> int:
+                           element_size: int, block_size: int) -> int:
         """The [B, 1, H, D] output and fp32 log-sum-exp, plus the split-KV partials (fp32 outputs and log-sum-exps),
         which exist only while batch x heads is below the SM count."""
         splits = MAX_SPLITS * MAX_SMS * (head_size + 1) * 4

@@ -19,7 +19,12 @@ import torch.nn.functional as F
 from raylm.runner.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
 from raylm.runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
 from raylm.runner.attention.kv_write import write_kv
-from raylm.runner.attention.torch_paged_decode import blocks_attended, decode_capacity, packed_paged_decode
+from raylm.runner.attention.torch_paged_decode import (
+    blocks_attended,
+    decode_capacity,
+    packed_decode_bytes,
+    packed_paged_decode,
+)
 from raylm.runner.host_sync import to_device
 
 
@@ -157,12 +162,12 @@ class TorchAttentionBackend(AttentionBackend):
         return needed <= decode_capacity(num_reqs_padded, max_blocks_per_req, num_cache_blocks)
 
     def decode_graph_bytes(self, num_reqs: int, max_keys: int, num_heads: int, num_kv_heads: int, head_size: int,
-                           element_size: int) -> int:
-        """At most: K/V of every key of every request gathered (then in float32), their scores, weights and per-block
-        float64 partial sums. The packed capacity is smaller once the KV cache is known (min(batch x max_keys,
-        cache + batch) blocks), which this estimate, taken before the cache is sized, cannot use."""
-        per_key = 2 * num_kv_heads * head_size * (element_size + 4) + 2 * 4 * num_heads
-        return num_reqs * max_keys * per_key + num_reqs * max_keys * num_heads * (head_size + 1) * 8
+                           element_size: int, block_size: int) -> int:
+        """The packed decode over full block tables: num_reqs x max_keys keys. Once the KV cache is known the capacity
+        is min(that, the cache plus one block per request), which this estimate, taken before the cache is sized,
+        cannot use."""
+        return packed_decode_bytes(num_reqs * -(-max_keys // block_size), block_size, num_heads, num_kv_heads,
+                                   head_size, element_size)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:

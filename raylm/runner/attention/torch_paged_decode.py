@@ -14,6 +14,15 @@ from __future__ import annotations
 import torch
 
 
+def packed_decode_bytes(num_blocks: int, block_size: int, num_heads: int, num_kv_heads: int, head_size: int,
+                        element_size: int) -> int:
+    """Memory one layer's packed decode over `num_blocks` packed blocks allocates, at most: the gathered K then V
+    (cache dtype, then float32), the per-block queries, scores and weights, and the float64 prefix sums."""
+    gathered = block_size * num_kv_heads * head_size * (element_size + 4)
+    per_block = 2 * gathered + 2 * num_heads * head_size * 4 + 2 * num_heads * block_size * 4
+    return num_blocks * (per_block + 4 * num_heads * (head_size + 1) * 8)
+
+
 def decode_capacity(num_reqs: int, max_blocks_per_req: int, num_cache_blocks: int) -> int:
     """Packed blocks a decode graph of `num_reqs` requests holds: every block of the KV cache plus one per request
     (padding requests read one block each), and never more than num_reqs full block tables."""
@@ -44,16 +53,15 @@ def packed_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     key_pos = column[:, None] * block_size + torch.arange(block_size, device=device)
     visible = in_use[:, None] & (key_pos < seq_lens[owner, None])  # [P, block_size]
 
-    k = key_cache.index_select(0, blocks).float()  # [P, block_size, KV, D]
-    v = value_cache.index_select(0, blocks).float()
+    # Scores and sums in float32 (as SDPA keeps them); K is dropped before V is gathered, to halve the peak.
     q = query.float().unflatten(1, (num_kv_heads, -1))[owner]  # [P, KV, G, D]: K/V read once per KV head
-    scores = torch.einsum("pkgd,pskd->pkgs", q, k).mul_(scale)
+    scores = torch.einsum("pkgd,pskd->pkgs", q, key_cache.index_select(0, blocks).float()).mul_(scale)
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     block_max = scores.amax(dim=-1)  # [P, KV, G]
     request_max = block_max.new_full((num_reqs, *block_max.shape[1:]), float("-inf"))
     request_max.scatter_reduce_(0, owner[:, None, None].expand_as(block_max), block_max, "amax")
     weights = (scores - request_max[owner][..., None]).exp_()  # 0 at masked keys
-    numerators = torch.einsum("pkgs,pskd->pkgd", weights, v)
+    numerators = torch.einsum("pkgs,pskd->pkgd", weights, value_cache.index_select(0, blocks).float())
     out = _segment_sums(numerators, ends) / _segment_sums(weights.sum(dim=-1), ends)[..., None]
     return out.to(query.dtype).reshape(num_reqs, num_heads * head_size)
 
