@@ -27,7 +27,7 @@ from tests.test_sampler import make_metadata
 from tests.test_sampler_no_host_reads import CASES, HISTORY, VOCAB, cut
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-CUDA = torch.device("cuda")
+CUDA = torch.device("cuda", 0)  # a runner's device has its index (the ubatch threads set it)
 
 
 @contextmanager
