@@ -1,8 +1,11 @@
-"""GPU checks in one command (< 8 min on one GPU): backends token-exact, decode step time eager vs CUDA graphs,
-offline throughput against transformers, weight-read bandwidth at batch 1, sleep / wake-up. Each section records its
-error in the table and the script goes on; one table at the end (and as JSON with --output-json).
+"""GPU checks in one command (within --budget-s, 300 s by default, on one GPU): backends token-exact, decode step time
+eager vs CUDA graphs with the graphs proven (every capture size captured once, every timed step replayed, none eager)
+and the steps run under sync-debug mode "error", offline throughput against transformers, weight-read bandwidth at
+batch 1, sleep / wake-up, and the sampler's paths without a host wait. Each section records its error in the table
+and the script goes on; one table at the end, each row naming the attention backend, dtype, graph mode and sync-debug
+result it ran with (and as JSON with --output-json, with every timed step's graph key).
 
-    python scripts/gpu_check.py [--output-json gpu_check.json] [--sections 1 3]
+    python scripts/gpu_check.py [--output-json gpu_check.json] [--sections 1 3] [--budget-s 300]
 """
 from __future__ import annotations
 
@@ -41,6 +44,15 @@ from scripts.gpu_measure import (  # noqa: E402
     prompts,
     transformers_generate,
 )
+from scripts.gpu_proof import (  # noqa: E402
+    SYNC_CASES,
+    check_captures,
+    check_replays,
+    graph_report,
+    keys_summary,
+    sync_debug_decode,
+    timed_decode,
+)
 
 DECODE_BATCHES = (1, 8, 64, 256)
 # flash-attn runs 16-bit with pages of 256 tokens; the other backends are checked in float32 (exact comparisons).
@@ -55,14 +67,34 @@ class GpuCheck:
     qwen: Path  # where the random Qwen2-0.5B-shaped checkpoint goes
     rows: list[Row] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)  # section 3's figures for section 4
+    runs: list[dict[str, Any]] = field(default_factory=list)  # section 2's graph report and step keys per engine
 
 
 def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+def graphs_are_captured() -> bool:
+    """Whether this machine captures CUDA graphs at all (on CPU a "graphs" run is eager)."""
+    return torch.cuda.is_available()
+
+
+def greedy_tokens_and_replays(model: Path, batch: list[dict[str, list[int]]], **settings: Any
+                              ) -> tuple[list[list[int]], int]:
+    """Greedy tokens, and how many forwards of the run replayed a captured graph."""
+    llm = make_llm(model, **settings)
+    try:
+        graph_report(llm)  # forget the warm-up's forwards
+        tokens = [out.outputs[0].token_ids for out in llm.generate(batch, GREEDY, use_tqdm=False)]
+        return tokens, sum(forward["replayed"] for forward in graph_report(llm)["forwards"])
+    finally:
+        close(llm)
+
+
 def check_backends(check: GpuCheck) -> None:
-    """Greedy tokens of 8 prompts from every backend, eager and with graphs, against the torch backend eager."""
+    """Greedy tokens of 8 prompts from every backend, eager and with graphs, against the torch backend eager. A
+    "graphs" row passes only if graphs were replayed: on a machine where nothing is captured it says so and proves
+    nothing."""
     batch, base = prompts(8, 5, 60, vocab_size(check.tiny)), {"max_model_len": 512}
     ref32 = greedy_tokens(check.tiny, batch, attention_backend="torch", enforce_eager=True, dtype="float32", **base)
     cases: list[tuple[str, Path, list[list[int]], dict[str, Any]]] = [
@@ -83,38 +115,59 @@ def check_backends(check: GpuCheck) -> None:
     moe_eager = greedy_tokens(check.moe, batch, **MOE, enforce_eager=True, **base)
     cases.append(("mixtral graphs vs eager, bf16 (grouped matmul)", check.moe, moe_eager, MOE))
     for name, model, ref, settings in cases:
+        case = dict(backend=settings["attention_backend"], dtype=settings["dtype"],
+                    graphs="NONE" if settings.get("enforce_eager") else "FULL")
         try:
-            got = greedy_tokens(model, batch, **base, **settings)
+            got, replays = greedy_tokens_and_replays(model, batch, **base, **settings)
             same = sum(a == b for a, b in zip(got, ref))
-            add(check.rows, "1 backends", name, f"{same}/{len(ref)} prompts identical", "all", same == len(ref))
+            value, ok = f"{same}/{len(ref)} prompts identical", same == len(ref)
+            if case["graphs"] == "FULL":
+                value += f", {replays} forwards replayed a graph"
+                ok = ok and replays > 0 if graphs_are_captured() else None  # no CUDA: no graph, no proof
+            add(check.rows, "1 backends", name, value, "all", ok, **case)
         except Exception as err:  # noqa: BLE001 - one failing backend, the others still run
             traceback.print_exc()
-            add(check.rows, "1 backends", name, f"{type(err).__name__}: {err}"[:300], "all", False)
+            add(check.rows, "1 backends", name, f"{type(err).__name__}: {err}"[:300], "all", False, **case)
 
 
 def check_decode_steps(check: GpuCheck) -> None:
-    """ms per decode step at each batch size, eager and with graphs, for every installed backend."""
+    """ms per decode step at each batch size, eager and with graphs, for every installed backend; proven, not assumed:
+    with graphs every capture size was captured once and every timed step replayed (its graph key says so), eager
+    none did, and a few decode steps of each engine ran under sync-debug mode "error"."""
     backends = [("torch", check.tiny, {"attention_backend": "torch", "dtype": "float32"})]
     if installed("triton"):
         backends.append(("triton", check.tiny, {"attention_backend": "triton", "dtype": "float32"}))
     if installed("flash_attn"):
         backends.append(("flash_attn", check.tiny, FLASH))
-    backends.append(("mixtral (torch attention, bf16)", check.moe, MOE))
+    backends.append(("mixtral (torch attention)", check.moe, MOE))
     for name, model, settings in backends:
         times: dict[str, dict[int, float]] = {}
         for mode in ("eager", "graphs"):
             llm = make_llm(model, enforce_eager=mode == "eager", max_model_len=256,
                            max_num_seqs=max(DECODE_BATCHES), **settings)
             try:
-                times[mode] = {b: decode_ms(llm, b) for b in DECODE_BATCHES}
+                runs = [timed_decode(llm, b) for b in DECODE_BATCHES]
+                sync = sync_debug_decode(llm, SYNC_CASES["greedy"])
+                report = graph_report(llm)
             finally:
                 close(llm)
-        for b in DECODE_BATCHES:
-            add(check.rows, "2 decode step", f"{name}, batch {b}: eager / graphs ms",
-                f"{times['eager'][b]:.3f} / {times['graphs'][b]:.3f}")
+            graphs = mode == "graphs"
+            case = dict(backend=name, dtype=settings["dtype"], graphs="FULL" if graphs else "NONE", sync=sync)
+            check.runs.append({**case, "capture_sizes": report["capture_sizes"], "captured": report["captured"],
+                               "replayed": report["replayed"],
+                               "steps": {run.batch: keys_summary(run.forwards) for run in runs}})
+            if graphs:
+                add(check.rows, "2 decode step", "graphs captured", *check_captures(report), **case)
+            for run in runs:
+                value, ok = check_replays(run, graphs)
+                add(check.rows, "2 decode step", f"batch {run.batch}", value,
+                    "every step replayed" if graphs else "no replay", ok, **case)
+            add(check.rows, "2 decode step", "4 greedy decode steps of 8 under sync-debug 'error'", sync, "none",
+                sync == "none", **case)
+            times[mode] = {run.batch: run.ms for run in runs}
         speedup = times["eager"][1] / times["graphs"][1]
-        add(check.rows, "2 decode step", f"{name}: graphs speed-up at batch 1", f"{speedup:.2f}x", ">= 2x",
-            speedup >= 2.0)
+        add(check.rows, "2 decode step", "graphs speed-up at batch 1", f"{speedup:.2f}x", ">= 2x", speedup >= 2.0,
+            backend=name, dtype=settings["dtype"], graphs="FULL vs NONE")
 
 
 def check_throughput(check: GpuCheck) -> None:
@@ -136,8 +189,9 @@ def check_throughput(check: GpuCheck) -> None:
         close(llm)
     hf_tps, check.state["weight_bytes"] = transformers_generate(check.qwen, batch, 128)
     ratio = raylm_tps / hf_tps
-    add(check.rows, "3 throughput", f"raylm ({backend}) / transformers output tok/s", f"{raylm_tps:.0f} / {hf_tps:.0f}")
-    add(check.rows, "3 throughput", "raylm / transformers", f"{ratio:.2f}x", ">= 3x", ratio >= 3.0)
+    case = check.state["case"] = dict(backend=backend, dtype="bfloat16", graphs="FULL")
+    add(check.rows, "3 throughput", "raylm / transformers output tok/s", f"{raylm_tps:.0f} / {hf_tps:.0f}", **case)
+    add(check.rows, "3 throughput", "raylm / transformers", f"{ratio:.2f}x", ">= 3x", ratio >= 3.0, **case)
 
 
 def check_bandwidth(check: GpuCheck) -> None:
@@ -147,10 +201,11 @@ def check_bandwidth(check: GpuCheck) -> None:
     gbs = copy_bandwidth_gbs()
     roofline_ms = check.state["weight_bytes"] / (gbs * 1e9) * 1e3
     fraction = roofline_ms / check.state["decode_ms_b1"]
+    case = check.state["case"]
     add(check.rows, "4 bandwidth", "copy GB/s; weights GB", f"{gbs:.0f}; {check.state['weight_bytes'] / 1e9:.3f}")
     add(check.rows, "4 bandwidth", "decode ms at batch 1 / roofline ms",
-        f"{check.state['decode_ms_b1']:.3f} / {roofline_ms:.3f}")
-    add(check.rows, "4 bandwidth", "fraction of roofline", f"{fraction:.0%}", ">= 60%", fraction >= 0.6)
+        f"{check.state['decode_ms_b1']:.3f} / {roofline_ms:.3f}", **case)
+    add(check.rows, "4 bandwidth", "fraction of roofline", f"{fraction:.0%}", ">= 60%", fraction >= 0.6, **case)
 
 
 def check_sleep(check: GpuCheck) -> None:
@@ -169,18 +224,32 @@ def check_sleep(check: GpuCheck) -> None:
         close(llm)
     (alloc0, free0), (alloc1, free1), (alloc2, free2) = memory
     gib = 1 << 30
+    case = dict(backend="torch", dtype="float32", graphs="FULL")
     add(check.rows, "5 sleep", "freed by sleep GiB (allocated; device free)",
-        f"{(alloc0 - alloc1) / gib:.2f}; {(free1 - free0) / gib:.2f}", "> 1 GiB", free1 - free0 > gib)
+        f"{(alloc0 - alloc1) / gib:.2f}; {(free1 - free0) / gib:.2f}", "> 1 GiB", free1 - free0 > gib, **case)
     add(check.rows, "5 sleep", "restored by wake_up GiB (allocated; device)",
         f"{(alloc2 - alloc1) / gib:.2f}; {(free1 - free2) / gib:.2f}", "~ freed",
-        abs((free1 - free2) - (free1 - free0)) < 0.1 * (free1 - free0) + 0.25 * gib)
+        abs((free1 - free2) - (free1 - free0)) < 0.1 * (free1 - free0) + 0.25 * gib, **case)
     add(check.rows, "5 sleep", "output after wake_up", "identical" if after == before else "DIFFERENT", "identical",
-        after == before)
+        after == before, **case)
+
+
+def check_sync_free_sampling(check: GpuCheck) -> None:
+    """The sampler's paths (greedy, top-k / top-p / min-p, mixed greedy and random rows, penalties, logprobs), each
+    in decode steps under sync-debug mode "error", with graphs."""
+    case = dict(backend="torch", dtype="float32", graphs="FULL")
+    llm = make_llm(check.tiny, attention_backend="torch", dtype="float32", max_model_len=256, max_num_seqs=16)
+    try:
+        for name, params in SYNC_CASES.items():
+            sync = sync_debug_decode(llm, params)
+            add(check.rows, "6 sampling sync", name, sync, "none", sync == "none", **{**case, "sync": sync})
+    finally:
+        close(llm)
 
 
 SECTIONS: list[tuple[str, Callable[[GpuCheck], None]]] = [
     ("1 backends", check_backends), ("2 decode step", check_decode_steps), ("3 throughput", check_throughput),
-    ("4 bandwidth", check_bandwidth), ("5 sleep", check_sleep)]
+    ("4 bandwidth", check_bandwidth), ("5 sleep", check_sleep), ("6 sampling sync", check_sync_free_sampling)]
 
 
 def run_section(check: GpuCheck, section: str, fn: Callable[[GpuCheck], None]) -> None:
@@ -200,10 +269,13 @@ def main() -> int:
     parser.add_argument("--sections", type=int, nargs="+", choices=range(1, len(SECTIONS) + 1),
                         default=list(range(1, len(SECTIONS) + 1)),
                         help="which sections to run (default: all; 4 needs 3), e.g. to rerun only the failed ones")
+    parser.add_argument("--budget-s", type=float, default=300.0,
+                        help="a section that would start past this many seconds is skipped (a failed row)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to check.", file=sys.stderr)
         return 2
+    start = time.perf_counter()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="raylm-gpu-check-"))
     tiny = make_tiny_model(work / "tiny-llama", arch="llama", hidden_size=256, num_layers=4, num_heads=4,
                            num_kv_heads=2, intermediate_size=768, max_position_embeddings=1024)
@@ -212,11 +284,15 @@ def main() -> int:
                           max_position_embeddings=1024)
     check = GpuCheck(tiny, moe, work / "qwen2-0.5b-random")
     for number in sorted(set(args.sections)):
-        run_section(check, *SECTIONS[number - 1])
+        section, fn = SECTIONS[number - 1]
+        if time.perf_counter() - start > args.budget_s:
+            add(check.rows, section, "skipped", f"past the {args.budget_s:.0f} s budget", ok=False)
+            continue
+        run_section(check, section, fn)
     device = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    print(f"\ngpu_check on {device}\n{format_table(check.rows)}")
+    print(f"\ngpu_check on {device} in {time.perf_counter() - start:.0f} s\n{format_table(check.rows)}")
     if args.output_json:
-        args.output_json.write_text(json.dumps({"device": device, "rows": check.rows}, indent=2))
+        args.output_json.write_text(json.dumps({"device": device, "rows": check.rows, "runs": check.runs}, indent=2))
     return 1 if any(r["ok"] is False for r in check.rows) else 0
 
 

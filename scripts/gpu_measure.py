@@ -8,6 +8,7 @@ import itertools
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 _ids = itertools.count()
 
 
-def add(rows: list[Row], section: str, metric: str, value: Any, target: str = "", ok: bool | None = None) -> None:
-    rows.append({"section": section, "metric": metric, "value": value, "target": target, "ok": ok})
+CASE_COLUMNS = ("backend", "dtype", "graphs", "sync")
+
+
+def add(rows: list[Row], section: str, metric: str, value: Any, target: str = "", ok: bool | None = None,
+        **case: str) -> None:
+    """One result row; `case` names what it ran on (CASE_COLUMNS: attention backend, dtype, CUDA-graph mode,
+    sync-debug result; "-" where a row has none)."""
+    unknown = set(case) - set(CASE_COLUMNS)
+    assert not unknown, f"unknown row columns {unknown}"
+    rows.append({"section": section, "metric": metric, **{k: case.get(k, "-") for k in CASE_COLUMNS},
+                 "value": value, "target": target, "ok": ok})
 
 
 def synchronize() -> None:
@@ -61,8 +71,10 @@ def greedy_tokens(model: Path, batch: list[dict[str, list[int]]], **settings: An
         close(llm)
 
 
-def decode_ms(llm: LLM, batch: int, steps: int = 64, warmup: int = 8) -> float:
-    """Mean ms per decode step of `batch` running requests (8-token prompts), prefill excluded."""
+def decode_ms(llm: LLM, batch: int, steps: int = 64, warmup: int = 8,
+              timed: Callable[[], Any] | None = None) -> float:
+    """Mean ms per decode step of `batch` running requests (8-token prompts), prefill excluded. `timed`, when given,
+    is called right before and right after the timed steps (not timed itself)."""
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=steps + warmup + 8, ignore_eos=True)
     ids = [f"decode-{next(_ids)}" for _ in range(batch)]
@@ -71,11 +83,15 @@ def decode_ms(llm: LLM, batch: int, steps: int = 64, warmup: int = 8) -> float:
     for _ in range(warmup):  # the prefill (one step at <= 2048 tokens) and a few decodes
         engine.step()
     synchronize()
+    if timed is not None:
+        timed()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     synchronize()
     elapsed = time.perf_counter() - start
+    if timed is not None:
+        timed()
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -154,7 +170,7 @@ def copy_bandwidth_gbs() -> float:
 
 def format_table(rows: list[Row]) -> str:
     """One aligned line per row under a header; the last column says PASS, FAIL or nothing (no target)."""
-    keys = ("section", "metric", "value", "target")
+    keys = ("section", "metric", *CASE_COLUMNS, "value", "target")
     table = [{**{k: k for k in keys}, "ok": "ok"}, *rows]
     widths = [max(len(str(r[k])) for r in table) for k in keys]
     marks = {True: "PASS", False: "FAIL", None: ""}

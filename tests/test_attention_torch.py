@@ -114,6 +114,8 @@ def test_negative_slot_writes_nothing() -> None:
     ([4, 4], [4, 4]),  # equal prompts: plain causal, batched
     ([3, 2], [10, 5]),  # chunks with context, same group
     ([1, 16, 1], [2, 16, 33]),  # one long prefill between decodes, across several blocks
+    ([5, 6, 6], [5, 6, 6]),  # prompts of close lengths: padded to the longest, one masked call
+    ([1, 3, 9, 2, 1], [5, 3, 9, 6, 1]),  # prompts of far-apart lengths packed block-diagonally, beside the rest
 ])
 def test_matches_naive_reference(query_lens: list[int], seq_lens: list[int]) -> None:
     output, expected, _, _ = _run(query_lens, seq_lens)

@@ -4,11 +4,13 @@ persistent buffers (input ids, positions, slot mapping, seq_lens, query_start_lo
 only those (the backend's build_decode_graph: torch, triton and flash_attn have one)."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
 
 from raylm.runner.attention.backend import AttentionBackend, AttentionCGSupport
+from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from raylm.runner.forward_context import set_forward_context
@@ -22,6 +24,8 @@ class CUDAGraphRunner:
         # The captured forwards' outputs: fixed tensors that every replay of their graph overwrites.
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: tuple[int, int] | None = None
+        self.num_captures: Counter[int] = Counter()  # per padded size: what gpu_check proves
+        self.num_replays: Counter[int] = Counter()
 
     def capture(self, sizes: list[int], body: Callable[[int], torch.Tensor]) -> None:
         """Capture `body(n)` (a forward on the first n rows of persistent buffers) for every n in `sizes`."""
@@ -36,6 +40,7 @@ class CUDAGraphRunner:
                 output = body(n)
             assert isinstance(output, torch.Tensor), "graphs are captured for a single pipeline stage"
             self.graphs[n], self.outputs[n] = graph, output
+            self.num_captures[n] += 1
         torch.cuda.synchronize()
 
     def has(self, num_tokens: int) -> bool:
@@ -45,15 +50,15 @@ class CUDAGraphRunner:
         """The forward on the current contents of the persistent buffers; the result is overwritten by the next
         replay of the same size."""
         self.graphs[num_tokens].replay()
+        self.num_replays[num_tokens] += 1
         return self.outputs[num_tokens]
 
 
-def why_no_full_graphs(is_moe: bool, expert_parallel: bool, pipeline_parallel: bool, device: torch.device,
-                       dtype: torch.dtype, attn_backend: AttentionBackend) -> str | None:
+def why_no_full_graphs(is_moe: bool, pipeline_parallel: bool, device: torch.device, dtype: torch.dtype,
+                       attn_backend: AttentionBackend) -> str | None:
     """Why this model cannot replay as one captured graph (None: it can). On CPU nothing is captured: FULL only pads
-    there (so tests run the padding paths), whatever the attention backend or the experts' matmul."""
-    if is_moe and expert_parallel:
-        return "expert parallel's all_to_all reads the token counts to the host"
+    there (so tests run the padding paths), whatever the attention backend or the experts' matmul. Expert parallel
+    can: a FULL forward exchanges tokens through fixed-capacity buffers (runner/distributed/fixed_capacity.py)."""
     if is_moe and device.type == "cuda":
         reason = why_grouped_mm_syncs(device, dtype)
         if reason is not None:
@@ -93,9 +98,17 @@ class DecodeGraphs:
         self.runner.capture(sizes, lambda n: self.forward(model, n))
         return len(sizes)
 
-    def can_replay(self, descriptor: BatchDescriptor) -> bool:
+    def should_replay(self, descriptor: BatchDescriptor) -> bool:
+        """Planned as a replay: FULL, graphs captured, one batch (not micro-batched)."""
         return (descriptor.cudagraph_mode == CUDAGraphMode.FULL and self.runner is not None
-                and self.runner.has(descriptor.num_tokens_padded))
+                and not descriptor.should_ubatch)
+
+    def can_replay(self, descriptor: BatchDescriptor, common: CommonAttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        """A graph of the batch's padded size exists and its fixed buffers hold the batch's keys."""
+        n = descriptor.num_tokens_padded
+        return (self.should_replay(descriptor) and self.runner is not None and self.runner.has(n)
+                and self.attn_backend.decode_graph_fits(common.seq_lens_cpu, n, kv_cache,
+                                                        self.buffers.max_blocks_per_req))
 
     def replay(self, num_reqs: int, n: int) -> torch.Tensor:
         assert self.runner is not None
@@ -122,4 +135,5 @@ class DecodeGraphs:
             return 0
         element_size = torch.empty((), dtype=dtype).element_size()
         return self.attn_backend.decode_graph_bytes(max(self.dispatcher.full_capture_sizes), max_seq_len,
-                                                    layer.num_heads, layer.num_kv_heads, layer.head_size, element_size)
+                                                    layer.num_heads, layer.num_kv_heads, layer.head_size, element_size,
+                                                    self.buffers.block_size)

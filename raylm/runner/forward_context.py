@@ -40,6 +40,11 @@ def set_forward_context(attn_metadata: Any, num_tokens: int,
         _current.context = None
 
 
+def current_forward_context() -> ForwardContext | None:
+    """The running forward's context, or None outside one (a layer called on its own, in a test)."""
+    return _current.context
+
+
 def get_forward_context() -> ForwardContext:
     context = _current.context
     assert context is not None, "attention ran outside set_forward_context"

@@ -28,11 +28,13 @@ from raylm.runner.cuda_graph import DecodeGraphs, why_no_full_graphs
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from raylm.runner.forward_context import set_forward_context
 from raylm.runner.forward_counts import CountForwards, ForwardCounts
+from raylm.runner.forward_log import ForwardLog
+from raylm.runner.host_sync import to_host
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.input_buffers import InputBuffers
 from raylm.runner.layers.attention import Attention
 from raylm.runner.models.loader import load_model, reload_weights
-from raylm.runner.parallel_state import get_dp_group, get_ep_group, get_pp_group
+from raylm.runner.parallel_state import get_dp_group, get_pp_group
 from raylm.runner.profile_run import ProfileRun
 from raylm.runner.prompt_logprobs import PromptLogprobsProcessor
 from raylm.runner.sampler import Sampler
@@ -77,6 +79,7 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsProcessor(self.max_num_reqs)
         self.profile = ProfileRun(self.buffers, self.attn_backend, self.sampler, self.dtype, self.max_model_len)
         self.counts = ForwardCounts()
+        self.forward_log = ForwardLog()  # the graph key of recent forwards, for scripts/gpu_check.py
         self.log_batch_execution = config.observability_config.log_batch_execution
         # Built by load_model, which knows the process groups (a runner is built before, and tested without, them).
         self.model: torch.nn.Module | None = None
@@ -94,8 +97,8 @@ class ModelRunner:
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
                                 partition=self.config.parallel_config.pp_layer_partition)
         self.model.register_forward_pre_hook(CountForwards(self.counts))
-        why_not_full = why_no_full_graphs(self.model_info.is_moe, get_ep_group().world_size > 1,
-                                          pp.world_size > 1, self.device, self.dtype, self.attn_backend)
+        why_not_full = why_no_full_graphs(self.model_info.is_moe, pp.world_size > 1, self.device, self.dtype,
+                                          self.attn_backend)
         dispatcher = CudagraphDispatcher(self.config.compilation_config, self.config.scheduler_config,
                                          self.device.type, why_not_full)
         self.planner = BatchPlanner(dispatcher, self.config.parallel_config, get_dp_group())
@@ -171,7 +174,7 @@ class ModelRunner:
         batch, rows = self.input_batch, state.sampling_rows
         with tracing.span("sample"):
             sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
-            sampled = sampler_output.sampled_token_ids.tolist()
+            sampled = to_host(sampler_output.sampled_token_ids)[0].tolist()  # the step's one host wait
         batch.append_sampled(rows, sampled)
 
         req_ids = batch.req_ids[: batch.num_reqs]
@@ -265,12 +268,14 @@ class ModelRunner:
             ubatch_slices = create_ubatch_slices(cu_num_tokens, num_tokens, n)
         if self.log_batch_execution:
             log_batch_execution(descriptor, ubatch_slices)
+        replay = common is not None and graphs.can_replay(descriptor, common, self.kv_caches[0])
+        self.forward_log.record(descriptor, common is not None and graphs.should_replay(descriptor), replay)
         if ubatch_slices is not None:
             self.counts.ubatched += 1
             with tracing.span("forward", num_tokens=n, ubatches=len(ubatch_slices)):
                 return forward_in_ubatches(model, buffers, self.attn_backend, descriptor, ubatch_slices, common,
                                            intermediate_tensors)
-        if common is not None and graphs.can_replay(descriptor):
+        if replay:
             assert uniform_decode and num_reqs == num_tokens, "FULL graphs are captured for uniform decode batches"
             with tracing.span("forward", num_tokens=n, cuda_graph=True):
                 return graphs.replay(num_reqs, n)

@@ -1,12 +1,13 @@
 """Logits processors that run on every row (greedy ones too) before sampling: logit bias, min_tokens, penalties.
 
 All work in place on float32 logits [B, V], batched over the rows; Python loops only touch the rows listed in the
-metadata's dicts.
+metadata's dicts, whose entries reach the device without a host wait (runner/host_sync.py).
 """
 from __future__ import annotations
 
 import torch
 
+from raylm.runner.host_sync import to_device
 from raylm.runner.sampling_metadata import SamplingMetadata
 
 
@@ -32,7 +33,8 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float
         token_ids.extend(bias.keys())
         biases.extend(bias.values())
     index = _index(rows, token_ids, logits.device)
-    return logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+    return logits.index_put_(index, to_device(torch.tensor(biases, dtype=logits.dtype), logits.device),
+                             accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[int]]],
@@ -46,7 +48,7 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, tuple[int, set[
         thresholds.extend([min_toks] * len(stop_token_ids))
     index = _index(rows, token_ids, logits.device)
     # Decided on the device so that a persistent dict needs no per-step pruning and nothing syncs.
-    below = output_positions[index[0]] < torch.tensor(thresholds, dtype=torch.int64, device=logits.device)
+    below = output_positions[index[0]] < to_device(torch.tensor(thresholds, dtype=torch.int64), logits.device)
     return logits.index_put_(index, torch.where(below, float("-inf"), logits[index]))
 
 
@@ -81,5 +83,5 @@ def apply_penalties(logits: torch.Tensor, prompt_token_ids: torch.Tensor, output
 
 
 def _index(rows: list[int], token_ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(token_ids, dtype=torch.int64, device=device))
+    return (to_device(torch.tensor(rows, dtype=torch.int64), device),
+            to_device(torch.tensor(token_ids, dtype=torch.int64), device))

@@ -2,6 +2,9 @@
 
 Random rows use the Gumbel-max trick with counter-based noise: the noise of (seed, output position, token) is a hash
 of the three, so a seeded request repeats exactly and its tokens never depend on what else is in the batch.
+
+Nothing here reads a device value on the host (runner/host_sync.py): on CUDA a sampler step queues its kernels and
+returns. The CPU keeps two faster paths that do read values: numpy's argmax, and noise for the random rows only.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from torch import nn
 
 from raylm.common.outputs import LogprobsLists
 from raylm.common.sampling_params import _GREEDY_EPS
+from raylm.runner.host_sync import host_reads_are_free, to_host
 from raylm.runner.penalties import apply_logits_processors
 from raylm.runner.sampling_metadata import SamplingMetadata
 
@@ -47,7 +51,7 @@ class LogprobsTensors:
     def tolists(self, num_logprobs_per_row: Sequence[int | None]) -> list[LogprobsLists | None]:
         """One single-position LogprobsLists per row, cut to that row's n + 1 entries; None where n is None."""
         assert len(num_logprobs_per_row) == self.token_ids.shape[0]
-        token_ids, logprobs, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        token_ids, logprobs, ranks = (t.tolist() for t in to_host(self.token_ids, self.logprobs, self.ranks))
         return [None if n is None else LogprobsLists([token_ids[row][: n + 1]], [logprobs[row][: n + 1]], [ranks[row]])
                 for row, n in enumerate(num_logprobs_per_row)]
 
@@ -74,28 +78,37 @@ class Sampler(nn.Module):
     @staticmethod
     def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax of the processed logits; random rows are sampled after temperature, top-k,
-        top-p and min-p. Only random rows are copied and get noise."""
+        top-p and min-p. On CPU only the random rows are copied and get noise; on a device, choosing those rows
+        would read their count back, so a mixed batch draws for every row and keeps the greedy rows' argmax."""
         greedy = None if metadata.all_random else argmax_rows(logits)
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
-        rows = None if metadata.all_random else torch.nonzero(metadata.temperature >= _GREEDY_EPS).squeeze(1)
+        temperature = metadata.temperature
+        is_random = None if metadata.all_random else temperature >= _GREEDY_EPS
+        rows = None
+        if is_random is not None and host_reads_are_free(logits):
+            rows = torch.nonzero(is_random).squeeze(1)
+        elif is_random is not None:
+            temperature = temperature.where(is_random, 1.0)  # greedy rows' draws are discarded: avoid 0 / 0
         random_logits = _take_rows(logits, rows)
-        random_logits.div_(_take_rows(metadata.temperature, rows)[:, None])
+        random_logits.div_(_take_rows(temperature, rows)[:, None])
         apply_top_k_top_p_min_p(random_logits, _take_rows(metadata.top_k, rows), _take_rows(metadata.top_p, rows),
-                                _take_rows(metadata.min_p, rows))
+                                _take_rows(metadata.min_p, rows), metadata.max_top_k)
         sampled = gumbel_max_sample(random_logits, _take_rows(metadata.seeds, rows),
                                     _take_rows(metadata.output_positions, rows))
-        if rows is None:
+        if is_random is None:
             return sampled
         assert greedy is not None
+        if rows is None:
+            return torch.where(is_random, sampled, greedy)
         return greedy.index_copy_(0, rows, sampled)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[R, V] float32 -> [R] int64, the first index of each row's maximum. On CPU numpy's vectorised argmax runs 5-7x
     faster than torch's (48 x 4096: 19 vs 148 us)."""
-    if logits.device.type == "cpu":
+    if host_reads_are_free(logits):
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
 
@@ -109,17 +122,24 @@ def _take_rows(t: _OptionalTensor, rows: torch.Tensor | None) -> _OptionalTensor
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                            min_p: torch.Tensor | None) -> torch.Tensor:
+                            min_p: torch.Tensor | None, max_top_k: int | None = None) -> torch.Tensor:
     """Sets to -inf, in place, what top-k, then top-p (on the top-k survivors), then min-p filter out; None skips a
-    filter. Each filter is a per-row logit threshold (ties at it are kept), so only one masking pass is needed."""
+    filter. Each filter is a per-row logit threshold (ties at it are kept), so only one masking pass is needed.
+    `max_top_k`: the largest top-k of the rows as the host knows it (None: read from `top_k` on CPU; on a device,
+    where that read would wait, every row is sorted in full)."""
     vocab_size = logits.shape[-1]
     thresholds: list[torch.Tensor] = []
+    max_k = vocab_size
     if top_k is not None:
         top_k = top_k.masked_fill((top_k <= 0) | (top_k > vocab_size), vocab_size)  # k = vocab_size: off
+        if max_top_k is not None:
+            max_k = min(max_top_k, vocab_size)
+        elif host_reads_are_free(top_k):
+            max_k = int(top_k.max())
     if top_p is not None:
-        thresholds.append(_top_p_threshold(logits, top_k, top_p))
+        thresholds.append(_top_p_threshold(logits, top_k, top_p, max_k))
     elif top_k is not None:
-        thresholds.append(_top_k_threshold(logits, top_k))
+        thresholds.append(_top_k_threshold(logits, top_k, max_k))
     if min_p is not None:
         # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p); log(0) = -inf keeps everything.
         thresholds.append(logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None])
@@ -131,18 +151,19 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None, to
     return logits
 
 
-def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """[R, 1]: the k-th largest logit, -inf where top-k is off."""
+def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """[R, 1]: the k-th largest logit, -inf where top-k is off; max_k >= every row's k."""
     off = top_k >= logits.shape[-1]
     top_k = top_k.masked_fill(off, 1)
-    top_values = logits.topk(int(top_k.max()), dim=-1).values
+    top_values = logits.topk(max_k, dim=-1).values
     return top_values.gather(1, (top_k - 1)[:, None]).masked_fill_(off[:, None], float("-inf"))
 
 
-def _top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
-    """[R, 1]: the smallest logit of the smallest set of most likely top-k survivors whose mass is >= p."""
+def _top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor,
+                     max_k: int) -> torch.Tensor:
+    """[R, 1]: the smallest logit of the smallest set of most likely top-k survivors whose mass is >= p; max_k >=
+    every row's k (the vocabulary size without top-k)."""
     vocab_size = logits.shape[-1]
-    max_k = vocab_size if top_k is None else int(top_k.max())
     # Only the largest max_k logits matter: when every row has a top-k that is a partial sort, not a full one.
     if max_k < vocab_size:
         sorted_logits = logits.topk(max_k, dim=-1).values

@@ -12,6 +12,7 @@ import torch
 
 from raylm.common.outputs import LogprobsLists
 from raylm.common.sampling_params import _GREEDY_EPS
+from raylm.runner.host_sync import to_device
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.sampler import LogprobsTensors
 from raylm.runner.sampling_metadata import SamplingMetadata, make_padded_token_ids
@@ -27,6 +28,7 @@ class _RowSettings:
     top_k: torch.Tensor | None
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
+    max_top_k: int | None
     seeds: torch.Tensor
     max_num_logprobs: int | None
     no_penalties: bool
@@ -76,8 +78,9 @@ class SamplingMetadataBuilder:
             top_k=settings.top_k,
             top_p=settings.top_p,
             min_p=settings.min_p,
+            max_top_k=settings.max_top_k,
             seeds=settings.seeds,
-            output_positions=torch.from_numpy(output_positions_np).to(self.device, non_blocking=True),
+            output_positions=to_device(torch.from_numpy(output_positions_np), self.device),
             max_num_logprobs=settings.max_num_logprobs,
             no_penalties=settings.no_penalties,
             presence_penalties=settings.presence,
@@ -96,17 +99,19 @@ def _row_settings(batch: InputBatch, rows: np.ndarray, every_row: bool, eos_toke
     index = torch.from_numpy(rows)
 
     def take(t: torch.Tensor) -> torch.Tensor:
-        return (t[:num_rows] if every_row else t[index]).to(device, non_blocking=True)
+        return t[:num_rows] if every_row else t[index]
 
-    temperature = take(batch.temperature)
+    # Decided on the batch's CPU copies: on the device each decision would be a read back to the host.
+    temperature, top_k, top_p, min_p = take(batch.temperature), take(batch.top_k), take(batch.top_p), take(batch.min_p)
+    presence, frequency = take(batch.presence_penalties), take(batch.frequency_penalties)
+    repetition = take(batch.repetition_penalties)
     greedy = temperature < _GREEDY_EPS
     # No row samples in a step of partial prefills only: that counts as all greedy, never as both.
     all_greedy = bool(greedy.all())
     all_random = not all_greedy and not bool(greedy.any())
-    top_k, top_p, min_p = take(batch.top_k), take(batch.top_p), take(batch.min_p)
-    presence, frequency = take(batch.presence_penalties), take(batch.frequency_penalties)
-    repetition = take(batch.repetition_penalties)
     no_penalties = not (bool(presence.any()) or bool(frequency.any()) or bool((repetition != 1.0).any()))
+    vocab_size = batch.vocab_size
+    max_top_k = int(top_k.masked_fill((top_k <= 0) | (top_k > vocab_size), vocab_size).max()) if num_rows else None
     num_logprobs = batch.num_logprobs[rows]
     max_num_logprobs = int(num_logprobs.max()) if num_rows and num_logprobs.max() >= 0 else None
 
@@ -123,18 +128,19 @@ def _row_settings(batch: InputBatch, rows: np.ndarray, every_row: bool, eos_toke
         logit_bias[i] = {int(token): float(bias) for token, bias in params.logit_bias.items()}
 
     return _RowSettings(
-        temperature=temperature,
+        temperature=to_device(temperature, device),
         all_greedy=all_greedy,
         all_random=all_random,
-        top_k=None if all_greedy or not bool(top_k.any()) else top_k,
-        top_p=None if all_greedy or not bool((top_p < 1.0).any()) else top_p,
-        min_p=None if all_greedy or not bool(min_p.any()) else min_p,
-        seeds=take(batch.seeds),
+        top_k=None if all_greedy or not bool(top_k.any()) else to_device(top_k, device),
+        top_p=None if all_greedy or not bool((top_p < 1.0).any()) else to_device(top_p, device),
+        min_p=None if all_greedy or not bool(min_p.any()) else to_device(min_p, device),
+        max_top_k=max_top_k,
+        seeds=to_device(take(batch.seeds), device),
         max_num_logprobs=max_num_logprobs,
         no_penalties=no_penalties,
-        presence=presence,
-        frequency=frequency,
-        repetition=repetition,
+        presence=to_device(presence, device),
+        frequency=to_device(frequency, device),
+        repetition=to_device(repetition, device),
         min_tokens=min_tokens,
         logit_bias=logit_bias,
     )

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raylm.runner.host_sync import to_device
+
 
 @dataclass
 class SamplingMetadata:
@@ -33,6 +35,9 @@ class SamplingMetadata:
     # Rows that have reached min_tokens may stay: they are left alone.
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token id: bias added to its logit}
+    # The largest top-k of the rows (off counts as the vocabulary size), known on the host: a partial sort of that
+    # many logits instead of a full one. None: read from top_k where that is free (CPU), else a full sort.
+    max_top_k: int | None = None
 
     def __post_init__(self) -> None:
         assert self.temperature.dim() == 1, "temperature must be [num_rows]"
@@ -49,4 +54,4 @@ def make_padded_token_ids(token_ids: Sequence[Sequence[int]], pad_id: int,
     if max_len:
         padded.masked_scatter_(torch.arange(max_len) < lengths[:, None],
                                torch.cat([torch.as_tensor(ids, dtype=torch.int64) for ids in token_ids]))
-    return padded.to(device) if device is not None else padded
+    return to_device(padded, device) if device is not None else padded

@@ -190,6 +190,17 @@ class Worker:
         counts = self._runner().counts
         return {"padded": counts.padded, "ubatched": counts.ubatched}
 
+    def cuda_graph_report(self) -> dict[str, Any]:
+        """The sizes FULL graphs are captured for, the graphs captured and replayed per padded size so far, and the
+        forwards run since the last call with their graph keys (runner/forward_log.py)."""
+        runner = self._runner()
+        assert runner.graphs is not None
+        graphs = runner.graphs.runner
+        return {"capture_sizes": list(runner.graphs.dispatcher.full_capture_sizes) if graphs is not None else [],
+                "captured": dict(graphs.num_captures) if graphs is not None else {},
+                "replayed": dict(graphs.num_replays) if graphs is not None else {},
+                "forwards": runner.forward_log.drain()}
+
     def has_unfinished_across_dp(self, has_unfinished: bool) -> bool:
         """Whether any lock-step DP engine still has requests: every DP rank asks at the same step, so this collective
         pairs up like the forwards do."""

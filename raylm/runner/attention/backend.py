@@ -49,8 +49,14 @@ class AttentionBackend(ABC):
         what a FULL CUDA graph captures. Only backends whose cudagraph_support is not NEVER have it."""
         raise NotImplementedError(f"attention backend {self.name!r} has no fixed-buffer decode for CUDA graphs")
 
+    def decode_graph_fits(self, seq_lens_cpu: torch.Tensor, num_reqs_padded: int, kv_cache: torch.Tensor,
+                          max_blocks_per_req: int) -> bool:
+        """Whether a captured decode of `num_reqs_padded` requests can serve the batch of these seq_lens (read on
+        the host from the CPU copy); when not, the step runs eagerly. Every batch fits by default."""
+        return True
+
     def decode_graph_bytes(self, num_reqs: int, max_keys: int, num_heads: int, num_kv_heads: int, head_size: int,
-                           element_size: int) -> int:
+                           element_size: int, block_size: int) -> int:
         """Memory one layer's fixed-buffer decode of `num_reqs` requests allocates beyond its output (part of the
         CUDA-graph estimate); none by default."""
         return 0

@@ -6,7 +6,7 @@ it reads only the runner's persistent buffers.
 FlashAttention 2 takes a paged cache only in pages of a multiple of 256 tokens, so this backend needs `block_size`
 256, 512, ...; it runs fp16 / bf16 on CUDA. New K/V are written through `slot_mapping` first (padding slot -1
 writes nothing). The causal mask of a query shorter than its keys is aligned to the end (FlashAttention >= 2.1), which
-is what a chunk with context and a decode need.
+is what a chunk with context and a decode need. Neither path reads a device value back to the host.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from raylm.runner.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
 from raylm.runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
+from raylm.runner.attention.kv_write import write_kv
 from raylm.runner.attention.torch_backend import TorchAttentionBackend
 
 PAGE_MULTIPLE = 256  # FlashAttention 2's paged-KV page size must be a multiple of this
@@ -82,7 +83,7 @@ class FlashAttentionBackend(AttentionBackend):
         return FlashDecodeGraphMetadata(self, buffers.slot_mapping.shape[0], buffers)
 
     def decode_graph_bytes(self, num_reqs: int, max_keys: int, num_heads: int, num_kv_heads: int, head_size: int,
-                           element_size: int) -> int:
+                           element_size: int, block_size: int) -> int:
         """The [B, 1, H, D] output and fp32 log-sum-exp, plus the split-KV partials (fp32 outputs and log-sum-exps),
         which exist only while batch x heads is below the SM count."""
         splits = MAX_SPLITS * MAX_SMS * (head_size + 1) * 4
@@ -101,10 +102,8 @@ class FlashAttentionBackend(AttentionBackend):
         if n == 0:
             return output
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        written = metadata.slot_mapping >= 0
-        slots = metadata.slot_mapping[written]
-        key_cache.view(-1, *key_cache.shape[2:])[slots] = key[:n][written]
-        value_cache.view(-1, *value_cache.shape[2:])[slots] = value[:n][written]
+        # Not a boolean mask over the written rows: its nonzero would read a count back to the host every layer.
+        write_kv(key_cache.flatten(0, 1), value_cache.flatten(0, 1), metadata.slot_mapping, key, value)
         out = flash_attn_varlen_func(
             query[:n], key_cache, value_cache, metadata.cu_seqlens_q, metadata.cu_seqlens_k, metadata.max_seqlen_q,
             metadata.max_seqlen_k, softmax_scale=scale, causal=True, block_table=metadata.block_table)

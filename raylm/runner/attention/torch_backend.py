@@ -1,9 +1,13 @@
 """Reference attention over a paged KV cache in plain torch (CPU and GPU).
 
-`build()` turns the packed varlen batch into at most two padded groups (1-token decodes, and the rest) so that
-a batch of many decodes plus one long prefill pads neither to the other's shape. Each group is one
-`scaled_dot_product_attention` call over K/V gathered from the cache through slot indices computed once per
-step; no Python loop over requests runs per layer.
+`build()` turns the packed varlen batch into at most three padded groups (1-token decodes, chunks with cached
+context, and prompts with none) so that a batch of many decodes plus one long prefill pads neither to the other's
+shape. Each group is one `scaled_dot_product_attention` call: decodes and chunks over K/V gathered from the cache
+through slot indices computed once per step, fresh prompts over their own new K/V. No Python loop over requests runs
+per layer, and nothing in `build()` or `forward()` reads a device value back to the host.
+
+Inside a CUDA graph (`build_decode_graph`) a decode attends through `torch_paged_decode.packed_paged_decode`: the
+blocks in use, packed to a fixed capacity, not batch x max_model_len keys.
 """
 from __future__ import annotations
 
@@ -14,6 +18,14 @@ import torch.nn.functional as F
 
 from raylm.runner.attention.backend import AttentionBackend, AttentionCGSupport, AttentionMetadata
 from raylm.runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
+from raylm.runner.attention.kv_write import write_kv
+from raylm.runner.attention.torch_paged_decode import (
+    blocks_attended,
+    decode_capacity,
+    packed_decode_bytes,
+    packed_paged_decode,
+)
+from raylm.runner.host_sync import to_device
 
 
 @dataclass
@@ -26,11 +38,13 @@ class SDPAGroup:
     is_causal: bool
     out_rows: torch.Tensor | None  # rows of the flattened [B*Q] output that are real tokens; None: all
     out_index: torch.Tensor  # packed token index of each real row
-    block_table: torch.Tensor  # [B, max_blocks] block ids of the group's requests
-    key_valid: torch.Tensor  # [B, S] key position < seq_len
+    # [B, max_blocks] block ids of the group's requests; None: the keys are the queries' own new K/V (fresh prompts)
+    block_table: torch.Tensor | None
+    key_valid: torch.Tensor | None  # [B, S] key position < seq_len (with block_table)
     kv_slots: torch.Tensor | None = None  # [B, S] cache slot of each key (padding: slot 0); set by slots()
 
     def slots(self, block_size: int) -> torch.Tensor:
+        assert self.block_table is not None and self.key_valid is not None
         if self.kv_slots is None:
             key_pos = torch.arange(self.key_valid.shape[1], device=self.key_valid.device)
             blocks = self.block_table[:, key_pos // block_size].long()
@@ -40,12 +54,8 @@ class SDPAGroup:
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    write_slots: torch.Tensor  # cache slots that receive new K/V
-    write_tokens: torch.Tensor | None  # packed tokens written to write_slots; None: tokens 0..len-1
+    slot_mapping: torch.Tensor  # [num_actual_tokens] cache slot of each new token, -1: write nothing
     groups: list[SDPAGroup]
-    # (first token, length) of each prompt with no cached context: plain causal attention over its own
-    # new K/V, one SDPA call each, so prompts of different lengths are not padded to the longest.
-    fresh_prompts: list[tuple[int, int]]
     # The block size arrives with the first layer's cache; the key slots computed then serve every layer.
     block_size: int | None = None
 
@@ -68,24 +78,20 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         n = common.num_actual_tokens
-        slots = common.slot_mapping[:n]
-        valid = slots >= 0
-        write_tokens = None
-        if not bool(valid.all()):
-            write_tokens = valid.nonzero().squeeze(1)
-            slots = slots[write_tokens]
         query_start_loc = common.query_start_loc_cpu[:common.num_reqs + 1]
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
         is_decode = query_lens == 1
         is_fresh = ~is_decode & (query_lens == common.seq_lens_cpu[:common.num_reqs])
-        fresh = is_fresh.nonzero().squeeze(1)
-        fresh_prompts = list(zip(query_start_loc[fresh].tolist(), query_lens[fresh].tolist()))
         groups = [self._build_group(common, reqs.nonzero().squeeze(1)) for reqs in (is_decode, ~is_decode & ~is_fresh)
                   if bool(reqs.any())]
-        return TorchAttentionMetadata(self, n, slots, write_tokens, groups, fresh_prompts)
+        if bool(is_fresh.any()):
+            groups.append(self._build_fresh_group(common, is_fresh.nonzero().squeeze(1)))
+        return TorchAttentionMetadata(self, n, common.slot_mapping[:n], groups)
 
     @staticmethod
     def _build_group(common: CommonAttentionMetadata, reqs_cpu: torch.Tensor) -> SDPAGroup:
+        """Requests whose keys are read from the cache (decodes, chunks with cached context); the shapes come from
+        the CPU copies of the metadata."""
         device = common.block_table.device
         starts_cpu = common.query_start_loc_cpu[reqs_cpu]
         query_lens_cpu = common.query_start_loc_cpu[reqs_cpu + 1] - starts_cpu
@@ -93,7 +99,7 @@ class TorchAttentionBackend(AttentionBackend):
         max_q, max_s = int(query_lens_cpu.max()), int(seq_lens_cpu.max())
         same_query_len = bool((query_lens_cpu == max_q).all())
         uniform = same_query_len and bool((seq_lens_cpu == max_s).all())
-        reqs = reqs_cpu.to(device, non_blocking=True)
+        reqs = to_device(reqs_cpu, device)
         starts = common.query_start_loc[reqs].long()
         query_lens = common.query_start_loc[reqs + 1].long() - starts
         seq_lens = common.seq_lens[reqs].long()
@@ -104,25 +110,64 @@ class TorchAttentionBackend(AttentionBackend):
         query_index = starts[:, None] + torch.minimum(row, query_lens[:, None] - 1)
         query_pos = (seq_lens - query_lens)[:, None] + row  # absolute position of each query row
 
-        attn_mask, is_causal = None, False
-        if uniform and max_q == max_s and max_q > 1:
-            is_causal = True  # prompts without cached context: plain causal attention
-        elif not (uniform and max_q == 1):
+        attn_mask = None
+        if not (uniform and max_q == 1):
             # Padding rows see every valid key, so no row is fully masked (that would give NaN).
             attn_mask = ((key_pos <= query_pos[:, :, None]) & key_valid[:, None, :]).unsqueeze(1)
-        out_rows = None if same_query_len else (row < query_lens[:, None]).flatten().nonzero().squeeze(1)
-        out_index = query_index.flatten() if out_rows is None else query_index.flatten()[out_rows]
-        return SDPAGroup(max_q == 1, query_index, attn_mask, is_causal, out_rows, out_index,
-                         common.block_table[reqs], key_valid)
+        out_rows, out_index = None, query_index.flatten()
+        if not same_query_len:
+            out_rows = to_device((torch.arange(max_q) < query_lens_cpu[:, None]).flatten().nonzero().squeeze(1), device)
+            out_index = out_index[out_rows]
+        return SDPAGroup(max_q == 1, query_index, attn_mask, False, out_rows, out_index, common.block_table[reqs],
+                         key_valid)
+
+    @staticmethod
+    def _build_fresh_group(common: CommonAttentionMetadata, reqs_cpu: torch.Tensor) -> SDPAGroup:
+        """Prompts with no cached context, attending over their own new K/V in one call: padded to the longest
+        ([N, L], causal) or packed with a block-diagonal causal mask ([1, T]), whichever scores fewer pairs."""
+        device = common.block_table.device
+        starts = common.query_start_loc_cpu[reqs_cpu].long()
+        lens = common.query_start_loc_cpu[reqs_cpu + 1].long() - starts
+        num_prompts, longest, total = len(lens), int(lens.max()), int(lens.sum())
+        same_len = bool((lens == longest).all())
+        if same_len or num_prompts * longest * longest <= total * total:
+            row = torch.arange(longest)
+            query_index_cpu = starts[:, None] + torch.minimum(row, lens[:, None] - 1)
+            query_index = to_device(query_index_cpu, device)
+            if same_len:
+                return SDPAGroup(False, query_index, None, True, None, query_index.flatten(), None, None)
+            key = torch.arange(longest, device=device)
+            lens_d = to_device(lens, device)
+            # Key j is seen by query row i when j <= i and j is a real token: padding rows see the whole prompt.
+            mask = ((key[None, None, :] <= key[None, :, None]) & (key < lens_d[:, None, None])).unsqueeze(1)
+            real_rows = (row < lens[:, None]).flatten()
+            return SDPAGroup(False, query_index, mask, False, to_device(real_rows.nonzero().squeeze(1), device),
+                             to_device(query_index_cpu.flatten()[real_rows], device), None, None)
+        prompt = torch.arange(num_prompts).repeat_interleave(lens)
+        position = torch.arange(total) - (lens.cumsum(0) - lens).repeat_interleave(lens)
+        tokens = to_device(starts.repeat_interleave(lens) + position, device)
+        prompt_d, position_d = to_device(prompt, device), to_device(position, device)
+        mask = (prompt_d[None, :] == prompt_d[:, None]) & (position_d[None, :] <= position_d[:, None])
+        return SDPAGroup(False, tokens[None, :], mask[None, None], False, None, tokens, None, None)
 
     def build_decode_graph(self, buffers: DecodeGraphBuffers) -> DecodeGraphMetadata:
         assert buffers.scratch_slot >= 0, "the torch backend's fixed-buffer decode writes padding to a scratch slot"
         return DecodeGraphMetadata(self, buffers.slot_mapping.shape[0], buffers)
 
+    def decode_graph_fits(self, seq_lens_cpu: torch.Tensor, num_reqs_padded: int, kv_cache: torch.Tensor,
+                          max_blocks_per_req: int) -> bool:
+        """Whether the packed decode's capacity holds the batch: always, unless requests share prefix blocks."""
+        block_size, num_cache_blocks = kv_cache.shape[2], kv_cache.shape[1]
+        needed = blocks_attended(seq_lens_cpu, block_size) + num_reqs_padded - len(seq_lens_cpu)
+        return needed <= decode_capacity(num_reqs_padded, max_blocks_per_req, num_cache_blocks)
+
     def decode_graph_bytes(self, num_reqs: int, max_keys: int, num_heads: int, num_kv_heads: int, head_size: int,
-                           element_size: int) -> int:
-        """K/V gathered over the whole block-table width, their scores and key slots."""
-        return num_reqs * max_keys * (2 * num_kv_heads * head_size * element_size + 4 * num_heads + 8)
+                           element_size: int, block_size: int) -> int:
+        """The packed decode over full block tables: num_reqs x max_keys keys. Once the KV cache is known the capacity
+        is min(that, the cache plus one block per request), which this estimate, taken before the cache is sized,
+        cannot use."""
+        return packed_decode_bytes(num_reqs * -(-max_keys // block_size), block_size, num_heads, num_kv_heads,
+                                   head_size, element_size)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -136,22 +181,17 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens, num_heads, head_size = query.shape
         n = metadata.num_actual_tokens
         key_cache, value_cache = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)  # [slots, kv_heads, D]
-        new_key, new_value = key[:n], value[:n]
-        if metadata.write_tokens is not None:
-            new_key, new_value = new_key[metadata.write_tokens], new_value[metadata.write_tokens]
-        key_cache.index_copy_(0, metadata.write_slots, new_key)
-        value_cache.index_copy_(0, metadata.write_slots, new_value)
+        write_kv(key_cache, value_cache, metadata.slot_mapping, key, value)
 
         output = query.new_empty(num_tokens, num_heads * head_size)
         output[n:].zero_()
-        for start, length in metadata.fresh_prompts:
-            q, k, v = (t[start : start + length].transpose(0, 1) for t in (query, key, value))  # [heads, L, D]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            output[start : start + length] = o.transpose(0, 1).reshape(length, num_heads * head_size)
-        for group in metadata.groups:
-            kv_slots = group.slots(block_size)
-            k = key_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
-            v = value_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
+        for group in metadata.groups:  # at most three: a loop over kinds of request, not over requests
+            if group.block_table is None:  # fresh prompts: their own new K/V
+                k, v = (t[group.query_index].transpose(1, 2) for t in (key, value))  # [B, KV, S, D]
+            else:
+                kv_slots = group.slots(block_size)
+                k = key_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
+                v = value_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
             if group.is_decode:
                 # The query heads sharing a KV head become rows of one [G, D] query: K/V are read once per KV head.
                 q = query[group.out_index].unflatten(1, (k.shape[1], -1))  # [B, KV, G, D]
@@ -168,21 +208,14 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _forward_decode_graph(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                               metadata: DecodeGraphMetadata, scale: float) -> torch.Tensor:
-        """No host sync and no data-dependent shape: every request attends over the whole block-table width, masked
-        at its seq_len. Costs B * max_model_len keys per layer: the price of a graph-safe plain-torch decode."""
+        """No host read and no data-dependent shape: the new K/V go in through an index_copy (padding to the scratch
+        slot), then each request attends over its blocks, packed to the capacity of this batch size."""
         buffers = metadata.buffers
-        block_size = kv_cache.shape[2]
-        key_cache, value_cache = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, KV, D]
         slots = torch.where(buffers.slot_mapping >= 0, buffers.slot_mapping, buffers.scratch_slot)
-        key_cache.index_copy_(0, slots, key)
-        value_cache.index_copy_(0, slots, value)
-        num_reqs, num_kv_heads = query.shape[0], key.shape[1]
-        key_pos = torch.arange(buffers.block_table.shape[1] * block_size, device=query.device)
-        kv_slots = buffers.block_table[:, key_pos // block_size].long() * block_size + key_pos % block_size
-        k = key_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
-        v = value_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
-        # Key 0 stays visible even at seq_len 0: a fully masked row would give NaN.
-        mask = key_pos < buffers.seq_lens.clamp(min=1)[:, None]
-        q = query.unflatten(1, (num_kv_heads, -1))  # [B, KV, G, D]: K/V read once per KV head
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
-        return o.reshape(num_reqs, -1)
+        key_cache.flatten(0, 1).index_copy_(0, slots, key)
+        value_cache.flatten(0, 1).index_copy_(0, slots, value)
+        num_reqs, max_blocks = buffers.block_table.shape
+        capacity = decode_capacity(num_reqs, max_blocks, key_cache.shape[0])
+        return packed_paged_decode(query, key_cache, value_cache, buffers.block_table, buffers.seq_lens, scale,
+                                   capacity)

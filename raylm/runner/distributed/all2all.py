@@ -5,6 +5,9 @@ Rank r of the EP group owns the global experts [r * E_local, (r + 1) * E_local).
 in the same order on every forward, whatever its token count (zero included): a rank that skipped one would hang the
 others. Under dual batch overlap each exchange is an async collective that the other micro-batch's compute overlaps.
 Managers are swappable (a DeepEP-like backend later) behind All2AllManagerBase.
+
+This manager exchanges variable-size splits whose sizes it reads to the host: prefill and eager batches. A decode
+step that replays a CUDA graph takes the fixed-capacity exchange instead (distributed/fixed_capacity.py).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from raylm.runner.group_coordinator import GroupCoordinator
-from raylm.runner.ubatching import dbo_enabled, dbo_yield
+from raylm.runner.ubatching import dbo_enabled, dbo_overlap
 
 
 def combine_topk(pair_outputs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -72,37 +75,36 @@ class All2AllManager(All2AllManagerBase):
         send_per_expert = torch.bincount(flat_ids, minlength=self.num_experts)
         # Row r of the result: how many rows rank r sends to each of this rank's experts.
         # A few integers: not worth a hand-off to the other micro-batch (the row exchanges below are).
-        recv_per_expert = self._all_to_all(send_per_expert, overlap=False)
+        recv_per_expert = all_to_all(self.group, send_per_expert, overlap=False)
         counts = torch.stack([send_per_expert.view(world, local).sum(1), recv_per_expert.view(world, local).sum(1)])
         send_counts, recv_counts = counts.tolist()
         rows = hidden_states[order // top_k]
-        received = self._all_to_all(rows, recv_counts, send_counts)
+        received = all_to_all(self.group, rows, recv_counts, send_counts)
         expert_ids = torch.arange(local, device=flat_ids.device).repeat(world).repeat_interleave(recv_per_expert)
         return received, expert_ids, DispatchHandle(order, send_counts, recv_counts, topk_weights.float())
 
     def combine(self, expert_output: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        returned = self._all_to_all(expert_output, handle.send_counts, handle.recv_counts)
+        returned = all_to_all(self.group, expert_output, handle.send_counts, handle.recv_counts)
         pair_outputs = torch.empty_like(returned)
         pair_outputs[handle.order] = returned
         num_tokens, top_k = handle.topk_weights.shape
         return combine_topk(pair_outputs.view(num_tokens, top_k, returned.shape[1]), handle.topk_weights)
 
-    def _all_to_all(self, tensor: torch.Tensor, output_split_sizes: list[int] | None = None,
-                    input_split_sizes: list[int] | None = None, overlap: bool = True) -> torch.Tensor:
-        """Rows of `tensor` split by `input_split_sizes` (None: evenly) to the group's ranks; the rows received, in
-        rank order. A group of one has no process group: its only rank keeps everything. `overlap`: under dual batch
-        overlap, run the other micro-batch while this exchange is in flight."""
-        if self.group.world_size == 1:
-            return tensor
-        rows = tensor.shape[0] if output_split_sizes is None else sum(output_split_sizes)
-        out = tensor.new_empty(rows, *tensor.shape[1:])
-        if not (overlap and dbo_enabled()):
-            dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes, input_split_sizes,
-                                   group=self.group.device_group)
-            return out
-        # A micro-batch: the other one computes while this exchange is in flight (runner/ubatching.py).
-        work = dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes, input_split_sizes,
-                                      group=self.group.device_group, async_op=True)
-        dbo_yield()
-        work.wait()
+
+def all_to_all(group: GroupCoordinator, tensor: torch.Tensor, output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None, overlap: bool = True) -> torch.Tensor:
+    """Rows of `tensor` split by `input_split_sizes` (None: evenly) to the group's ranks; the rows received, in rank
+    order. A group of one has no process group: its only rank keeps everything. `overlap`: under dual batch overlap,
+    run the other micro-batch while this exchange is in flight."""
+    if group.world_size == 1:
+        return tensor
+    rows = tensor.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    out = tensor.new_empty(rows, *tensor.shape[1:])
+    if not (overlap and dbo_enabled()):
+        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes, input_split_sizes,
+                               group=group.device_group)
         return out
+    # A micro-batch: the other one computes while this exchange is in flight (runner/ubatching.py).
+    dbo_overlap(lambda: dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes, input_split_sizes,
+                                               group=group.device_group, async_op=True))
+    return out

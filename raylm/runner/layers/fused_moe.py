@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylm.runner.distributed import combine_topk, get_all2all_manager
+from raylm.runner.distributed.fixed_capacity import FixedCapacityAll2All, dispatch_capacity
 from raylm.runner.group_coordinator import GroupCoordinator
 from raylm.runner.layers.activation import SiluAndMul
 from raylm.runner.layers.linear import set_weight_loader
@@ -40,20 +41,24 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 def grouped_expert_mlp(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        act_fn: nn.Module, row_index: torch.Tensor | None = None) -> torch.Tensor:
     """Row p of the result is expert `expert_ids[p]`'s MLP applied to `x[row_index[p]]` (row_index None: x[p]),
-    unweighted. The rows are sorted by expert and each projection is one grouped matmul over the experts' row ranges,
-    whose ends stay on the device: on CUDA in bfloat16 (Hopper, Blackwell) one kernel with no host sync, so a CUDA
-    graph can hold it; elsewhere torch runs one matmul per expert."""
+    unweighted; zero where the id is -1 (no expert: a fixed-capacity exchange's empty pair). The rows are sorted by
+    expert (-1 last) and each projection is one grouped matmul over the experts' row ranges, whose ends stay on the
+    device: on CUDA in bfloat16 (Hopper, Blackwell) one kernel with no host sync, so a CUDA graph can hold it;
+    elsewhere torch runs one matmul per expert. Rows past the last range are never computed."""
+    num_experts = w13.shape[0]
+    no_expert = expert_ids < 0
+    expert_ids = expert_ids.masked_fill(no_expert, num_experts)
     order = expert_ids.argsort(stable=True)
     sorted_rows = x[order if row_index is None else row_index[order]]
     # scatter_add rather than bincount, whose output size (the largest id) is read back to the host.
-    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int32))
-    ends = counts.cumsum(0, dtype=torch.int32)
+    ends = counts[:num_experts].cumsum(0, dtype=torch.int32)
     hidden = F.grouped_mm(sorted_rows, w13.transpose(1, 2), offs=ends)  # weights [E, N, K] as column-major [E, K, N]
     out_sorted = F.grouped_mm(act_fn(hidden), w2.transpose(1, 2), offs=ends)
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted
-    return out
+    return out.masked_fill_(no_expert[:, None], 0)
 
 
 def why_grouped_mm_syncs(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -102,7 +107,8 @@ class FusedMoE(nn.Module):
         self.tp_group, ep_group = get_tp_group(), get_ep_group()
         self.use_ep = ep_group.world_size > 1
         if self.use_ep:  # full experts, split over the EP ranks
-            self.all2all = get_all2all_manager(ep_group, num_experts)
+            self.all2all = get_all2all_manager(ep_group, num_experts)  # prefill, mixed and eager batches
+            self.fixed_all2all = FixedCapacityAll2All(ep_group, num_experts, top_k)  # FULL-graph decodes
             self.local_num_experts = self.all2all.num_local_experts
             self.expert_start = ep_group.rank_in_group * self.local_num_experts
             self.shard_rank, num_shards = 0, 1
@@ -169,9 +175,19 @@ class FusedMoE(nn.Module):
         start = sum(sizes[:self.tp_group.rank_in_group])
         end = start + sizes[self.tp_group.rank_in_group]
         topk_weights, topk_ids = select_experts(router_logits[start:end], self.top_k, self.renormalize)
-        rows, expert_ids, handle = self.all2all.dispatch(hidden_states[start:end], topk_ids, topk_weights)
-        expert_output = grouped_expert_mlp(rows, expert_ids, self.w13_weight, self.w2_weight, self.act_fn)
-        return all_gather_slices(self.all2all.combine(expert_output, handle), sizes, self.tp_group)
+        capacity = dispatch_capacity(hidden_states.shape[0], self.tp_group.world_size)
+        if capacity is None:
+            rows, expert_ids, handle = self.all2all.dispatch(hidden_states[start:end], topk_ids, topk_weights)
+            expert_output = grouped_expert_mlp(rows, expert_ids, self.w13_weight, self.w2_weight, self.act_fn)
+            combined = self.all2all.combine(expert_output, handle)
+        else:
+            rows, experts, fixed = self.fixed_all2all.dispatch(hidden_states[start:end], topk_ids, topk_weights,
+                                                               capacity)
+            pair_rows = torch.arange(experts.numel(), device=rows.device) // experts.shape[1]
+            expert_output = grouped_expert_mlp(rows, experts.flatten(), self.w13_weight, self.w2_weight,
+                                               self.act_fn, pair_rows)
+            combined = self.fixed_all2all.combine(expert_output, fixed)
+        return all_gather_slices(combined, sizes, self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"experts={self.local_num_experts}/{self.num_experts} (from {self.expert_start}), top_k={self.top_k}, "
