@@ -268,7 +268,9 @@ class ModelRunner:
             ubatch_slices = create_ubatch_slices(cu_num_tokens, num_tokens, n)
         if self.log_batch_execution:
             log_batch_execution(descriptor, ubatch_slices)
-        replay = common is not None and graphs.can_replay(descriptor, common, self.kv_caches[0])
+        # The profile run has no KV cache yet, and no graph can have been captured before it.
+        replay = common is not None and bool(self.kv_caches) and graphs.can_replay(descriptor, common,
+                                                                                    self.kv_caches[0])
         self.forward_log.record(descriptor, common is not None and graphs.should_replay(descriptor), replay)
         if ubatch_slices is not None:
             self.counts.ubatched += 1
