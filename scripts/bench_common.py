@@ -92,6 +92,17 @@ def python_loop_seconds(steps: int = 10_000_000) -> float:
     return time.perf_counter() - start
 
 
+def cpu_vector_flags() -> str:
+    """The CPU's vector instruction sets that decide which kernels run (AVX2 only, AVX-512, AMX), from /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    wanted = [f for f in flags if f in ("avx2", "fma", "avx_vnni", "avx_ne_convert") or f.startswith(("avx512", "amx"))]
+    return " ".join(sorted(wanted)) or "no AVX2"
+
+
 def machine_line() -> str:
     return (f"machine: fp32 2048^3 matmul {matmul_gflops():.0f} GFLOP/s ({torch.get_num_threads()} threads), "
-            f"10M-step Python loop {python_loop_seconds():.2f} s")
+            f"10M-step Python loop {python_loop_seconds():.2f} s, CPU flags: {cpu_vector_flags()}")

@@ -9,6 +9,10 @@ split (its hooks' own cost, measured on an identity module, taken out) is applie
 
     python scripts/profile_step.py                       # tiny, 5m and 100m, prefill- and decode-heavy
     python scripts/profile_step.py --shapes tiny 5m --num-requests 32
+    python scripts/profile_step.py --model path/to/smollm2-f32 --shapes   # a real checkpoint alone
+
+Below the phase table, each decoder linear's rate (GFLOP/s over its (in x out) shape) stands beside the machine's
+fp32 matmul rate, so a reader sees which shape the kernels plan badly.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +36,6 @@ from raylm.cluster.detokenizer import IncrementalDetokenizer  # noqa: E402
 from raylm.common import tracing  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     PRESETS,
-    decoder_linear_weights,
     machine_line,
     make_workload,
     preset_model,
@@ -131,10 +135,30 @@ def hook_overhead_seconds(calls: int = 20_000) -> float:
     return max(0.0, hooked - plain) / calls
 
 
-def profile(preset: str, workload: str, num_requests: int, runs: int) -> tuple[dict[str, float], float, int, float]:
-    """Seconds per phase of one run (mean of `runs`), the wall seconds of one run, its output tokens and the FLOPs of
-    its decoder linears (every token but each request's last is computed)."""
-    model_path = preset_model(preset)
+def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
+    """(in features, out features, number of layers) of each decoder linear kind, read from the loaded weights."""
+    shapes: dict[str, tuple[int, int, int]] = {}
+    for name, module in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in LINEARS:
+            out_features, in_features = module.weight.shape
+            shapes[kind] = (in_features, out_features, shapes.get(kind, (0, 0, 0))[2] + 1)
+    return shapes
+
+
+@dataclass
+class Profile:
+    """One model and workload: seconds per phase of one run (mean of the runs), the run's wall seconds and output
+    tokens, and each decoder linear kind's (in, out, layers) and FLOPs (every token but each request's last)."""
+
+    shares: dict[str, float]
+    wall: float
+    output_tokens: int
+    linear_shapes: dict[str, tuple[int, int, int]]
+    linear_flops: dict[str, float]
+
+
+def profile(model_path: Path, workload: str, num_requests: int, runs: int) -> Profile:
     input_len, output_len = WORKLOADS[workload]
     prompts, output_lens = make_workload(num_requests, input_len, output_len, vocab_size(model_path), seed=0)
     llm = LLM(model=str(model_path), max_model_len=input_len[1] + output_len[1], max_num_seqs=64,
@@ -169,13 +193,18 @@ def profile(preset: str, workload: str, num_requests: int, runs: int) -> tuple[d
     totals["forward: other"] = hooked_rest * scale
     totals["engine loop (rest)"] = max(0.0, wall - sum(totals.values()))
     computed_tokens = sum(len(p) + n - 1 for p, n in zip(prompts, output_lens))
-    linear_flops = 2.0 * decoder_linear_weights(model_path) * computed_tokens
-    return {name: seconds / runs for name, seconds in totals.items()}, wall / runs, sum(output_lens), linear_flops
+    shapes = linear_shapes(model)
+    return Profile(shares={name: seconds / runs for name, seconds in totals.items()}, wall=wall / runs,
+                   output_tokens=sum(output_lens), linear_shapes=shapes,
+                   linear_flops={kind: 2.0 * fan_in * fan_out * count * computed_tokens
+                                 for kind, (fan_in, fan_out, count) in shapes.items()})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=PRESETS, default=list(PRESETS))
+    parser.add_argument("--shapes", nargs="*", choices=PRESETS, default=list(PRESETS),
+                        help="synthetic presets to profile (none: only --model)")
+    parser.add_argument("--model", help="a checkpoint folder profiled beside the presets (e.g. the real model)")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--runs", type=int, default=2)
@@ -183,27 +212,34 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     print(machine_line())
 
-    columns: list[tuple[str, dict[str, float], float, int, float]] = []
-    for preset in args.shapes:
+    models = {preset: preset_model(preset) for preset in args.shapes}
+    if args.model:
+        models[Path(args.model).name] = Path(args.model)
+    columns: dict[str, Profile] = {}
+    for label, model_path in models.items():
         for workload in args.workloads:
-            columns.append((f"{preset} {workload}", *profile(preset, workload, args.num_requests, args.runs)))
-            wall = columns[-1][2]
-            print(f"  {preset} {workload}: {wall:.2f} s per run", file=sys.stderr)
+            columns[f"{label} {workload}"] = run = profile(model_path, workload, args.num_requests, args.runs)
+            print(f"  {label} {workload}: {run.wall:.2f} s per run", file=sys.stderr)
 
     rows = [p for p in PHASES if p != "forward"]
     rows[rows.index("compute_logits"):rows.index("compute_logits")] = [f"forward: {k}" for k in
                                                                       dict.fromkeys(LAYER_TYPES.values())]
     rows[rows.index("compute_logits"):rows.index("compute_logits")] = ["forward: other"]
     rows += ["detokenize", "engine loop (rest)"]
-    header = f"| phase (% of the run) | {' | '.join(name for name, *_ in columns)} |"
+    header = f"| phase (% of the run) | {' | '.join(columns)} |"
     print("\n" + header + "\n" + "|---" * (len(columns) + 1) + "|")
     for row in rows:
-        cells = [f"{shares.get(row, 0.0) / wall * 100:.1f}" for _, shares, wall, _, _ in columns]
+        cells = [f"{run.shares.get(row, 0.0) / run.wall * 100:.1f}" for run in columns.values()]
         print(f"| {row} | {' | '.join(cells)} |")
-    print(f"| **run time (s)** | {' | '.join(f'{wall:.2f}' for _, _, wall, _, _ in columns)} |")
-    print(f"| **output tok/s** | {' | '.join(f'{tokens / wall:.0f}' for _, _, wall, tokens, _ in columns)} |")
-    rates = [flops / sum(shares[f"forward: {name}"] for name in LINEARS) / 1e9 for _, shares, _, _, flops in columns]
+    print(f"| **run time (s)** | {' | '.join(f'{run.wall:.2f}' for run in columns.values())} |")
+    print(f"| **output tok/s** | {' | '.join(f'{run.output_tokens / run.wall:.0f}' for run in columns.values())} |")
+    rates = [sum(run.linear_flops.values()) / sum(run.shares[f"forward: {kind}"] for kind in LINEARS) / 1e9
+             for run in columns.values()]
     print(f"| **decoder linears (GFLOP/s)** | {' | '.join(f'{rate:.0f}' for rate in rates)} |")
+    for kind in LINEARS:
+        cells = [f"{run.linear_flops[kind] / run.shares[f'forward: {kind}'] / 1e9:.0f} "
+                 f"({run.linear_shapes[kind][0]}x{run.linear_shapes[kind][1]})" for run in columns.values()]
+        print(f"| {kind} GFLOP/s (in x out) | {' | '.join(cells)} |")
     print(f"\n{args.num_requests} requests per run, prefill: input {WORKLOADS['prefill'][0]} output "
           f"{WORKLOADS['prefill'][1]}; decode: input {WORKLOADS['decode'][0]} output {WORKLOADS['decode'][1]}; "
           f"greedy fp32, mean of {args.runs} runs after a warm-up, {torch.get_num_threads()} threads")
