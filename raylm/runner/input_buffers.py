@@ -41,17 +41,20 @@ class PreparedInputs:
     sampling_rows: np.ndarray
     logits_indices: torch.Tensor
     spec_decode_metadata: SpecDecodeMetadata | None = None  # where the drafts are; None: no request has any
+    uniform_decode_query_len: int = 1  # 1 + k with speculative decoding
 
     @property
     def uniform_decode(self) -> bool:
-        # Each request in the batch has at least one scheduled token: as many tokens as requests is all decode.
-        return self.num_tokens == self.num_reqs
+        # Each request has at least one scheduled token: q tokens per request and none longer is all decode of q.
+        q = self.uniform_decode_query_len
+        return self.num_tokens == self.num_reqs * q and self.common.max_query_len == q
 
 
 class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, uniform_decode_query_len: int = 1) -> None:
         self.max_num_tokens, self.max_num_reqs = max_num_tokens, max_num_reqs
+        self.uniform_decode_query_len = uniform_decode_query_len
         self.max_blocks_per_req, self.block_size, self.device = max_blocks_per_req, block_size, device
         self.input_ids = CpuGpuBuffer(max_num_tokens, torch.int64, device)
         self.positions = CpuGpuBuffer(max_num_tokens, torch.int64, device)
@@ -109,7 +112,8 @@ class InputBuffers:
         self.block_table[:num_reqs, :max_blocks].copy_(
             torch.from_numpy(batch.block_table.table[:num_reqs, :max_blocks]), non_blocking=True)
         common = self.common_metadata(num_reqs, num_tokens, max_blocks, int(num_scheduled.max()), int(seq_lens.max()))
-        return PreparedInputs(common, num_tokens, num_reqs, sampling_rows, logits_indices, spec)
+        return PreparedInputs(common, num_tokens, num_reqs, sampling_rows, logits_indices, spec,
+                              self.uniform_decode_query_len)
 
     def _spec_decode_metadata(self, batch: InputBatch, sampling_rows: np.ndarray, num_draft_tokens: np.ndarray,
                               cu_num_tokens: np.ndarray) -> SpecDecodeMetadata:

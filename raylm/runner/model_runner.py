@@ -75,8 +75,10 @@ class ModelRunner:
 
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks_per_req, model_info.vocab_size)
+        spec = config.speculative_config
+        self.uniform_decode_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
         self.buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens, self.max_num_reqs,
-                                    max_blocks_per_req, self.block_size, device)
+                                    max_blocks_per_req, self.block_size, device, self.uniform_decode_query_len)
         self.attn_backend = get_attn_backend(config.cache_config.attention_backend)
         self.sampler = Sampler()
         self.sampling_metadata = SamplingMetadataBuilder(model_info.eos_token_ids, device)
@@ -104,9 +106,9 @@ class ModelRunner:
                                 partition=self.config.parallel_config.pp_layer_partition)
         self.model.register_forward_pre_hook(CountForwards(self.counts))
         why_not_full = why_no_full_graphs(self.model_info.is_moe, pp.world_size > 1, self.device, self.dtype,
-                                          self.attn_backend)
+                                          self.attn_backend, self.uniform_decode_query_len)
         dispatcher = CudagraphDispatcher(self.config.compilation_config, self.config.scheduler_config,
-                                         self.device.type, why_not_full)
+                                         self.device.type, why_not_full, self.uniform_decode_query_len)
         self.planner = BatchPlanner(dispatcher, self.config.parallel_config, get_dp_group())
         self.graphs = DecodeGraphs(dispatcher, self.attn_backend, self.buffers, self.device)
         if self.spec_decoder is not None:
