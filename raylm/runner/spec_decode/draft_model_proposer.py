@@ -57,25 +57,32 @@ class DraftModelProposer(Proposer):
     def propose(self, inputs: ProposeInputs) -> Proposals:
         batch, rows, metadata = inputs.batch, inputs.sampling_rows, inputs.sampling_metadata
         all_rows = np.arange(batch.num_reqs)
+        # Positions below `allocated` have KV slots: the step's tokens and the lookahead the scheduler gave, which
+        # ends at the request's last possible token (where a request that reaches it is finished: nothing to draft).
+        allocated = batch.block_table.num_blocks[:batch.num_reqs].astype(np.int64) * self.buffers.block_size
         samples = np.zeros(batch.num_reqs, dtype=np.int64)
         samples[rows] = 1
         starts = inputs.step_start.astype(np.int64)
-        query_lens = inputs.step_end.astype(np.int64) + samples - starts  # a sampling row's new last token too
+        ends = np.minimum(inputs.step_end.astype(np.int64) + samples, allocated)  # a sampling row's new last token
+        query_lens = ends - starts
         offsets = np.arange(int(query_lens.sum())) - np.repeat(query_lens.cumsum() - query_lens, query_lens)
         positions = np.repeat(starts, query_lens) + offsets
         logits = self._forward(batch, all_rows, query_lens, positions, None, (query_lens.cumsum() - 1)[rows])
 
         num_tokens = batch.num_tokens[rows].astype(np.int64)
         output_positions = num_tokens - batch.num_prompt_tokens[rows]
-        max_drafts = np.minimum(inputs.max_num_drafts, self.k).astype(np.int64)
+        allocated = allocated[rows]
+        # Draft i + 1 is read from draft i at position num_tokens - 1 + i, which must have a slot.
+        max_drafts = np.clip(np.minimum(inputs.max_num_drafts, self.k), 0, allocated - num_tokens + 1)
         ones = np.ones(len(rows), dtype=np.int64)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(int(max_drafts.max()) if len(rows) else 0):
-            if i > 0:  # draft i + 1 from draft i, at the position after it; rows past their cap write nothing
-                positions = np.minimum(num_tokens - 1 + i, self.max_model_len - 1)
+            if i > 0:  # rows past their drafts rerun a position they hold, writing nothing, and are dropped
+                active = i < max_drafts
+                positions = np.where(active, num_tokens - 1 + i, np.minimum(num_tokens, allocated) - 1)
                 logits = self._forward(batch, rows, ones, positions, tokens[-1].cpu().numpy(), np.arange(len(rows)),
-                                       writes=i < max_drafts)
+                                       writes=active)
             token, q = _sample_drafts(logits, metadata, output_positions + i)
             tokens.append(token)
             probs.append(q)
@@ -101,14 +108,9 @@ class DraftModelProposer(Proposer):
         req_index = np.repeat(rows, query_lens)
         buffers.input_ids.np[:n] = batch.token_ids_cpu[req_index, positions] if input_ids is None else input_ids
         buffers.positions.np[:n] = positions
-        block_index = positions // buffers.block_size
-        block_numbers = batch.block_table.table[req_index, block_index].astype(np.int64)
+        block_numbers = batch.block_table.table[req_index, positions // buffers.block_size].astype(np.int64)
         slots = block_numbers * buffers.block_size + positions % buffers.block_size
-        # Past the request's blocks (its last possible token) a draft writes nothing: only drafts it never needs.
-        writes_kv = block_index < batch.block_table.num_blocks[req_index]
-        if writes is not None:
-            writes_kv &= np.repeat(writes, query_lens)
-        buffers.slot_mapping.np[:n] = np.where(writes_kv, slots, -1)
+        buffers.slot_mapping.np[:n] = slots if writes is None else np.where(np.repeat(writes, query_lens), slots, -1)
         num_reqs = len(rows)
         cu = query_lens.cumsum()
         buffers.query_start_loc.np[0] = 0
