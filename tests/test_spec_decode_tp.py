@@ -1,5 +1,6 @@
-"""Speculative decoding under TP=2 on a local Ray (CPU, gloo): both ranks propose, verify and (draft model) run the
-draft alike, so the greedy tokens are the single device's without drafts, with async scheduling too."""
+"""Speculative decoding on several devices, a local Ray (CPU, gloo): under TP=2 both ranks propose, verify and (draft
+model) run the draft alike, so the greedy tokens are the single device's without drafts, with async scheduling too;
+two data-parallel engines each speculate on their share, and their counters add up."""
 from __future__ import annotations
 
 import random
@@ -32,9 +33,10 @@ def generate(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "async_scheduling"), [("ngram", False), ("ngram", True), ("draft_model", True)])
-def test_tp2_matches_the_single_device(ray_cluster: Any, model_path: Path, tmp_path: Path, method: str,
-                                       async_scheduling: bool) -> None:
+@pytest.mark.parametrize(("method", "async_scheduling", "layout"), [
+    ("ngram", False, "tp2"), ("ngram", True, "tp2"), ("draft_model", True, "tp2"), ("ngram", False, "dp2")])
+def test_matches_the_single_device(ray_cluster: Any, model_path: Path, tmp_path: Path, method: str,
+                                   async_scheduling: bool, layout: str) -> None:
     single = LLM(model=str(model_path), **ENGINE)
     expected = generate(single)
     single.shutdown()
@@ -43,11 +45,15 @@ def test_tp2_matches_the_single_device(ray_cluster: Any, model_path: Path, tmp_p
         spec["prompt_lookup_min"] = 1
     else:
         spec["model"] = str(make_draft_checkpoint(model_path, tmp_path / "draft", 2))
-    llm = LLM(model=str(model_path), tensor_parallel_size=2, async_scheduling=async_scheduling,
-              speculative_config=spec, **ENGINE)
-    assert isinstance(llm.llm_engine.engine_core.executor, RayExecutor)
+    parallel = {"tensor_parallel_size": 2} if layout == "tp2" else {"data_parallel_size": 2}
+    llm = LLM(model=str(model_path), async_scheduling=async_scheduling, speculative_config=spec, **parallel,
+              **ENGINE)
+    engine_core = llm.llm_engine.engine_core
+    if layout == "tp2":
+        assert isinstance(engine_core.executor, RayExecutor)
     ours = generate(llm)
-    stats = llm.llm_engine.engine_core.scheduler.drafts.stats
+    per_engine = engine_core.engine_stats()
     llm.shutdown()
     assert ours == expected
-    assert stats.num_draft_tokens > 0
+    assert len(per_engine) == (2 if layout == "dp2" else 1)
+    assert all(stats.spec_decoding is not None and stats.spec_decoding.num_draft_tokens > 0 for stats in per_engine)

@@ -119,11 +119,8 @@ class Scheduler:
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            drafts, lookahead = [], 0
-            if self.drafts is not None:
-                drafts = self.drafts.draft_tokens(request, num_new_tokens, budget)
-                num_new_tokens += len(drafts)
-                lookahead = self.drafts.lookahead_tokens(request, request.num_computed_tokens + num_new_tokens)
+            drafts, lookahead = ([], 0) if self.drafts is None else self.drafts.plan(request, num_new_tokens, budget)
+            num_new_tokens += len(drafts)
             while (block_ids := allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)) is None:
                 victim_index = preemption_victim(running, self.policy)
                 victim = running.pop(victim_index)
@@ -157,8 +154,7 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break  # waits for a step with room, keeping the queue order
                 num_new_tokens = budget
-            lookahead = 0 if self.drafts is None else self.drafts.lookahead_tokens(
-                request, num_computed_tokens + num_new_tokens)
+            lookahead = self.drafts.lookahead(request, num_computed_tokens + num_new_tokens) if self.drafts else 0
             if self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens, num_computed_tokens, computed_blocks, lookahead) is None:
                 break
@@ -186,8 +182,8 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         for request in scheduled_running + scheduled_new:
-            drafts = spec_tokens.get(request.request_id)
-            self._advance(request, num_scheduled_tokens[request.request_id], len(drafts) if drafts else 0)
+            req_id = request.request_id
+            self._advance(request, num_scheduled_tokens[req_id], len(spec_tokens.get(req_id, ())))
         return output
 
     def update_from_output(
@@ -212,8 +208,7 @@ class Scheduler:
             sampled = sampled_token_ids[row] if row is not None else None
             if not sampled:
                 continue  # a partial prefill
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            num_drafts = len(drafts) if drafts else 0
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             if num_drafts:
                 assert self.drafts is not None
                 self.drafts.verified(request, num_drafts, len(sampled))

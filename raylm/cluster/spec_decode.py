@@ -75,10 +75,16 @@ class DraftScheduling:
     def __init__(self, config: SpeculativeConfig, async_scheduling: bool, max_model_len: int) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
         # A draft model writes the KV of its drafts past the step's tokens: those slots are allocated with the step.
-        self.lookahead = config.num_speculative_tokens if config.method == "draft_model" else 0
+        self.num_lookahead_tokens = config.num_speculative_tokens if config.method == "draft_model" else 0
         self.async_scheduling = async_scheduling
         self.max_model_len = max_model_len
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
+
+    def plan(self, request: Request, num_new_tokens: int, budget: int) -> tuple[list[int], int]:
+        """The drafts a running request verifies after its `num_new_tokens` regular tokens, and the lookahead slots
+        to allocate past them."""
+        drafts = self.draft_tokens(request, num_new_tokens, budget)
+        return drafts, self.lookahead(request, request.num_computed_tokens + num_new_tokens + len(drafts))
 
     def draft_tokens(self, request: Request, num_new_tokens: int, budget: int) -> list[int]:
         """The drafts to verify after the request's `num_new_tokens` regular tokens: only in a decode step (its one
@@ -95,11 +101,11 @@ class DraftScheduling:
             return [PLACEHOLDER] * len(drafts)
         return list(drafts)
 
-    def lookahead_tokens(self, request: Request, num_tokens_after: int) -> int:
+    def lookahead(self, request: Request, num_tokens_after: int) -> int:
         """KV slots a draft model may write past `num_tokens_after` (the request's computed plus scheduled tokens);
         none past the request's last possible token."""
         last = request.num_prompt_tokens + request.max_tokens - 1
-        return max(0, min(self.lookahead, last - num_tokens_after))
+        return max(0, min(self.num_lookahead_tokens, last - num_tokens_after))
 
     def verified(self, request: Request, num_draft_tokens: int, num_sampled: int) -> None:
         """A step that verified `num_draft_tokens` drafts of `request` gave `num_sampled` tokens: the rejected

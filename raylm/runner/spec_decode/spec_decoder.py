@@ -134,7 +134,7 @@ class SpecDecoder:
 
     def _propose(self, batch: InputBatch, rows: np.ndarray, step_end: np.ndarray, metadata: SamplingMetadata,
                  hidden_states: torch.Tensor | None) -> list[list[int]]:
-        max_drafts = np.clip(self.max_model_len - 1 - batch.num_tokens[rows].astype(np.int64), 0, self.k)
+        max_drafts = np.minimum(np.maximum(self.max_model_len - 1 - batch.num_tokens[rows].astype(np.int64), 0), self.k)
         proposals = self.proposer.propose(ProposeInputs(batch, rows, max_drafts, self._step_start, step_end,
                                                         metadata, hidden_states))
         spec_token_ids: list[list[int]] = [[] for _ in range(batch.num_reqs)]
