@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from raylm.cluster.block_pool import hash_block_tokens
 from raylm.cluster.request import Request
 from raylm.cluster.scheduler import Scheduler
-from raylm.cluster.spec_decode import PLACEHOLDER, SpecDecodingStats
-from raylm.common.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.cluster.spec_decode import SpecDecodingStats
+from raylm.common.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
 
@@ -56,7 +56,7 @@ class SpecFakeRunner:
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
             drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
-            if drafts and drafts[0] == PLACEHOLDER:
+            if drafts and drafts[0] == DRAFT_PLACEHOLDER:
                 own = self.proposals.get(req_id, [])[: len(drafts)]
                 drafts = own + [WRONG] * (len(drafts) - len(own))
             assert num_tokens >= 1 + len(drafts) or not drafts
@@ -227,7 +227,7 @@ def test_async_scheduling_plans_with_placeholders() -> None:
     assert request.output_token_ids == [true_token(6 + i) for i in range(25)]
     placeholders = [out.scheduled_spec_decode_tokens["a"] for out in runner.outputs
                     if "a" in out.scheduled_spec_decode_tokens]
-    assert placeholders and all(set(drafts) == {PLACEHOLDER} for drafts in placeholders)
+    assert placeholders and all(set(drafts) == {DRAFT_PLACEHOLDER} for drafts in placeholders)
     assert request.num_output_placeholders == 0
     assert scheduler.drafts.stats.num_accepted_tokens > 0
     assert_pool_empty(scheduler)

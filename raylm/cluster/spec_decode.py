@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from raylm.cluster.request import Request
+from raylm.common.outputs import DRAFT_PLACEHOLDER
 from raylm.configs.engine_config import SpeculativeConfig
-
-PLACEHOLDER = -1  # a draft token the runner fills in itself (async scheduling)
 
 
 @dataclass
@@ -98,7 +97,7 @@ class DraftScheduling:
                    request.max_tokens - (pending - request.num_prompt_tokens) - 1)
         drafts = request.spec_token_ids[: max(room, 0)]
         if self.async_scheduling and request.num_inflight_steps > 0:
-            return [PLACEHOLDER] * len(drafts)
+            return [DRAFT_PLACEHOLDER] * len(drafts)
         return list(drafts)
 
     def lookahead(self, request: Request, num_tokens_after: int) -> int:

@@ -13,6 +13,9 @@ import torch
 
 from raylm.common.sampling_params import SamplingParams
 
+# A draft token of `SchedulerOutput.scheduled_spec_decode_tokens` that the runner fills in with its own proposal.
+DRAFT_PLACEHOLDER = -1
+
 
 @dataclass
 class NewRequestData:
@@ -45,7 +48,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished, aborted or preempted: the runner drops them
     # Speculative decoding: the draft tokens to verify, per request that has any (counted in num_scheduled_tokens,
-    # after the request's one regular token). -1: a placeholder the runner fills with its own latest proposal (async
+    # after the request's one regular token). DRAFT_PLACEHOLDER: the runner fills in its own latest proposal (async
     # scheduling plans a step before the previous step's proposals are back).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 

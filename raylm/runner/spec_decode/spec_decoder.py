@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raylm.common.outputs import LogprobsLists, SchedulerOutput
+from raylm.common.outputs import DRAFT_PLACEHOLDER, LogprobsLists, SchedulerOutput
 from raylm.configs import EngineConfig
 from raylm.runner.attention.backend import AttentionBackend
 from raylm.runner.input_batch import InputBatch
@@ -26,8 +26,6 @@ from raylm.runner.spec_decode.ngram_proposer import NgramProposer
 from raylm.runner.spec_decode.proposer import ProposeInputs, Proposer
 from raylm.runner.spec_decode.rejection_sampler import RejectionSampler
 from raylm.runner.spec_decode.spec_sampling import expand_sampling_metadata
-
-PLACEHOLDER = -1  # the scheduler's draft token that this runner fills in
 
 
 @dataclass
@@ -91,7 +89,7 @@ class SpecDecoder:
         q_rows: list[tuple[int, torch.Tensor | None, int]] = []  # (row, q, drafts) in row order
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             row = batch.req_id_to_index[req_id]
-            if drafts[0] == PLACEHOLDER:
+            if drafts[0] == DRAFT_PLACEHOLDER:
                 drafts = self._own_drafts(req_id, len(drafts), batch, row)
             n = int(batch.num_tokens[row])
             batch.token_ids_cpu[row, n : n + len(drafts)] = drafts
