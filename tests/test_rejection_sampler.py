@@ -54,7 +54,7 @@ def run_sampler(position_logits: torch.Tensor, drafts: np.ndarray, draft_probs: 
                                       torch.device("cpu"))
     top_k_rows = torch.full((num_rows,), top_k) if top_k else None
     return RejectionSampler()(logits, metadata(torch.full((num_rows,), temperature), seeds, positions, top_k_rows),
-                              spec, drafts.ravel(), draft_probs).token_ids
+                              spec, draft_probs).token_ids
 
 
 def frequencies(tokens: list[int]) -> np.ndarray:
@@ -114,5 +114,5 @@ def test_greedy_accepts_while_drafts_equal_the_argmax(position_logits: torch.Ten
         spec = build_spec_decode_metadata(np.array([NUM_DRAFTS]), np.array([NUM_DRAFTS]), np.array(drafts),
                                           torch.device("cpu"))
         out = RejectionSampler()(position_logits.clone(), metadata(torch.zeros(3), torch.zeros(3, dtype=torch.int64),
-                                                                   torch.arange(3)), spec, np.array(drafts))
+                                                                   torch.arange(3)), spec)
         assert out.token_ids == [expected]

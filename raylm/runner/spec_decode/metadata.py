@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raylm.runner.host_sync import to_device
+
 
 @dataclass
 class SpecDecodeMetadata:
@@ -48,17 +50,17 @@ def build_spec_decode_metadata(num_draft_tokens: np.ndarray, last_token_index: n
     draft_rows = np.flatnonzero(is_draft_row)
     bonus_rows = cu_rows - 1
 
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device, non_blocking=True)
+    def on_device(array: np.ndarray) -> torch.Tensor:
+        return to_device(torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)), device)
 
     return SpecDecodeMetadata(
-        draft_token_ids=to_device(draft_token_ids),
+        draft_token_ids=on_device(draft_token_ids),
         draft_token_ids_cpu=np.asarray(draft_token_ids, dtype=np.int64),
         num_draft_tokens=num_draft_tokens.tolist(),
         cu_num_draft_tokens=num_draft_tokens.cumsum(),
-        target_logits_indices=to_device(draft_rows),
-        bonus_logits_indices=to_device(bonus_rows),
-        logits_indices=to_device(logits_indices),
+        target_logits_indices=on_device(draft_rows),
+        bonus_logits_indices=on_device(bonus_rows),
+        logits_indices=on_device(logits_indices),
         draft_logits_rows=draft_rows,
         logits_row_starts=row_starts,
     )

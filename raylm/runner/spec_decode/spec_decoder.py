@@ -17,6 +17,7 @@ import torch
 from raylm.common.outputs import DRAFT_PLACEHOLDER, LogprobsLists, SchedulerOutput
 from raylm.configs import EngineConfig
 from raylm.runner.attention.backend import AttentionBackend
+from raylm.runner.host_sync import to_host
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_inputs import to_logprobs_lists
@@ -104,13 +105,13 @@ class SpecDecoder:
         num_reqs = batch.num_reqs
         if spec is None:
             sampler_output = self.sampler(logits, metadata)
-            tokens = [[t] for t in sampler_output.sampled_token_ids.tolist()]
+            tokens = [[t] for t in to_host(sampler_output.sampled_token_ids)[0].tolist()]  # the step's one wait
             logprobs = to_logprobs_lists(batch, rows, sampler_output.logprobs_tensors)
         else:
-            drafts = spec.draft_token_ids_cpu
-            expanded = expand_sampling_metadata(metadata, spec.num_draft_tokens, drafts, batch, rows)
+            expanded = expand_sampling_metadata(metadata, spec.num_draft_tokens, spec.draft_token_ids_cpu, batch,
+                                                rows)
             per_row = [None if n < 0 else int(n) for n in batch.num_logprobs[rows]]
-            out = self.rejection_sampler(logits, expanded, spec, drafts, self._draft_probs, per_row)
+            out = self.rejection_sampler(logits, expanded, spec, self._draft_probs, per_row)
             tokens = out.token_ids
             logprobs = {} if out.logprobs is None else {
                 batch.req_ids[row]: entry for row, entry in zip(rows.tolist(), out.logprobs) if entry is not None}

@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from raylm.runner.host_sync import to_device
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.sampling_metadata import SamplingMetadata, make_padded_token_ids
 
@@ -26,7 +27,7 @@ def expand_sampling_metadata(metadata: SamplingMetadata, num_draft_tokens: list[
     starts = counts.cumsum() - counts
     offsets_np = np.arange(int(counts.sum())) - starts[owner_np]
     device = metadata.temperature.device
-    owner = torch.from_numpy(owner_np).to(device)
+    owner = to_device(torch.from_numpy(owner_np), device)
     owners = owner_np.tolist()
 
     def take(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -50,7 +51,7 @@ def expand_sampling_metadata(metadata: SamplingMetadata, num_draft_tokens: list[
         top_p=take(metadata.top_p),
         min_p=take(metadata.min_p),
         seeds=metadata.seeds[owner],
-        output_positions=metadata.output_positions[owner] + torch.from_numpy(offsets_np).to(device),
+        output_positions=metadata.output_positions[owner] + to_device(torch.from_numpy(offsets_np), device),
         presence_penalties=metadata.presence_penalties[owner],
         frequency_penalties=metadata.frequency_penalties[owner],
         repetition_penalties=metadata.repetition_penalties[owner],
