@@ -14,7 +14,7 @@ import torch
 from raylm.cluster.default_model import resolve_model
 from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
-from raylm.configs.engine_config import ResolvedConfig
+from raylm.configs.engine_config import ResolvedConfig, SpeculativeConfig
 from raylm.configs.model_info import ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
@@ -64,6 +64,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     # Under PP, stage 0 learns a request's sampled token only from the next SchedulerOutput, so the scheduler must
     # not plan ahead with placeholders; async scheduling still deepens the batch queue by one step.
     max_concurrent_batches = 1 if dp_lockstep else pp + int(scheduler.async_scheduling)
+    speculative, draft_model_info = _resolve_speculative(config, model_info, max_model_len, dp_lockstep)
     compilation = config.compilation_config
     attention_backend = choose_attn_backend(config.cache_config.attention_backend, device, _TORCH_DTYPES[dtype],
                                             config.cache_config.block_size, custom_ops=compilation.custom_ops != "none")
@@ -78,8 +79,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         scheduler_config=scheduler.model_copy(update={"async_scheduling": scheduler.async_scheduling and pp == 1}),
         compilation_config=compilation.model_copy(update={
             "cudagraph_mode": resolve_cudagraph_mode(compilation, device)}),
+        speculative_config=speculative,
         resolved=ResolvedConfig(model_info, _num_ray_bundles(parallel), dp_lockstep,
-                                max_concurrent_batches),
+                                max_concurrent_batches, draft_model_info),
     )
     show_info(logger)
     logger.info("engine config: model %s (%s), device %s, dtype %s, attention %s, executor %s%s, cudagraph_mode %s, "
@@ -87,6 +89,8 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
                 device, dtype, attention_backend, executor_backend,
                 ", lock-step DP" if dp_lockstep else "", resolved.compilation_config.cudagraph_mode,
                 max_model_len, max_concurrent_batches)
+    if speculative is not None:
+        logger.info("speculative decoding: %s", speculative.model_dump(exclude_none=True))
     return resolved
 
 
@@ -129,3 +133,55 @@ def _check_expert_parallel(model_info: ModelInfo, parallel: ParallelConfig, dp_l
     if model_info.num_experts % ep_size:
         raise ValueError(f"enable_expert_parallel: {model_info.num_experts} experts cannot be split evenly over "
                          f"{ep_size} expert-parallel ranks (data_parallel_size x tensor_parallel_size)")
+
+
+def _resolve_speculative(config: EngineConfig, model_info: ModelInfo, max_model_len: int, dp_lockstep: bool
+                         ) -> tuple[SpeculativeConfig | None, ModelInfo | None]:
+    """speculative_config with vLLM's defaults filled in (ngram: prompt_lookup_min/max 5, or each the other's; draft
+    TP: the target's), and the draft checkpoint's facts; combinations raylm cannot run are refused, naming why."""
+    spec = config.speculative_config
+    if spec is None:
+        return None, None
+    parallel, k = config.parallel_config, spec.num_speculative_tokens
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError("speculative_config: not supported with pipeline_parallel_size > 1: drafts are verified on "
+                         "the last stage, and the first stage would need them before the step's output comes back")
+    if k + 1 > config.scheduler_config.max_num_batched_tokens:
+        raise ValueError(f"speculative_config.num_speculative_tokens ({k}) + 1 must be <= max_num_batched_tokens "
+                         f"({config.scheduler_config.max_num_batched_tokens}): a decode step verifies k drafts at once")
+    if spec.method == "ngram":
+        for name in ("model", "draft_tensor_parallel_size"):
+            if getattr(spec, name) is not None:
+                raise ValueError(f"speculative_config.{name} is for method 'draft_model'; method 'ngram' takes none")
+        lookup_max = spec.prompt_lookup_max or spec.prompt_lookup_min or 5
+        lookup_min = spec.prompt_lookup_min or lookup_max
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lookup_min}) must be <= prompt_lookup_max "
+                             f"({lookup_max})")
+        return spec.model_copy(update={"prompt_lookup_min": lookup_min, "prompt_lookup_max": lookup_max}), None
+
+    for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        if getattr(spec, name) is not None:
+            raise ValueError(f"speculative_config.{name} is for method 'ngram'; method 'draft_model' takes none")
+    if spec.model is None:
+        raise ValueError("speculative_config.model: method 'draft_model' needs the draft checkpoint's folder")
+    tp = parallel.tensor_parallel_size
+    if spec.draft_tensor_parallel_size not in (None, tp):
+        raise ValueError(f"speculative_config.draft_tensor_parallel_size ({spec.draft_tensor_parallel_size}) must "
+                         f"equal tensor_parallel_size ({tp}): the draft runs on the target's workers, sharded alike")
+    if dp_lockstep:
+        raise ValueError("speculative_config: method 'draft_model' is not supported with expert-parallel data "
+                         "parallel (lock-step DP): the draft's forwards would need their own DP coordination")
+    draft = read_model_info(spec.model)
+    check_architecture(draft.architecture)
+    if draft.vocab_size != model_info.vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocab_size ({draft.vocab_size}) differs from the "
+                         f"target's ({model_info.vocab_size}); draft and target must share one vocabulary")
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
+                         f"({draft.max_position_embeddings}) is below max_model_len ({max_model_len})")
+    num_heads = getattr(draft.hf_config, "num_attention_heads", tp)
+    if num_heads % tp:
+        raise ValueError(f"speculative_config.model: the draft's {num_heads} attention heads cannot be split over "
+                         f"tensor_parallel_size {tp}")
+    return spec.model_copy(update={"draft_tensor_parallel_size": tp}), draft

@@ -51,7 +51,8 @@ class EngineCore:
         # Stage 0 of a pipeline learns a request's sampled token only from the next SchedulerOutput.
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, config.model_config.max_model_len, self.num_blocks,
-            config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1)
+            config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1,
+            speculative_config=config.speculative_config)
         self.num_generation_tokens = 0  # since start, for stats
         depth = config.resolved.max_concurrent_batches
         self.sleeping_tags: set[str] = set()  # what sleep freed and wake_up has not restored yet
@@ -142,7 +143,8 @@ class EngineCore:
         scheduler = self.scheduler
         return [SchedulerStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_cache_usage,
                                scheduler.prefix_cache_queries, scheduler.prefix_cache_hits, scheduler.num_prompt_tokens,
-                               self.num_generation_tokens, scheduler.num_preemptions)]
+                               self.num_generation_tokens, scheduler.num_preemptions,
+                               None if scheduler.drafts is None else scheduler.drafts.stats.copy())]
 
     def drain_trace(self) -> list[dict[str, Any]]:
         """The timeline events of this engine and its workers since the last drain; trace processes numbered

@@ -67,19 +67,22 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus, on admission, the
-        prefix hits `new_computed_blocks` covering `num_new_computed_tokens`). Returns the ids of the
-        freshly allocated blocks (maybe none), or None, changing nothing, when the pool is too small."""
+        prefix hits `new_computed_blocks` covering `num_new_computed_tokens`), and `num_lookahead_tokens` slots past
+        them (a draft model's drafts). Returns the ids of the freshly allocated blocks (maybe none), or None, changing
+        nothing, when the pool is too small."""
         new_computed_blocks = new_computed_blocks or []
         assert num_new_tokens > 0 and num_new_computed_tokens == len(new_computed_blocks) * self.block_size
         req_blocks = self.req_to_blocks.get(request.request_id)
         admitting = req_blocks is None
         assert admitting or not new_computed_blocks, "prefix hits are only taken on admission"
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_new_blocks = (-(-(num_computed + num_new_tokens) // self.block_size)
-                          - (0 if req_blocks is None else len(req_blocks)) - len(new_computed_blocks))
-        assert num_new_blocks >= 0
+        # Never negative but for speculative decoding: the slots of rejected drafts stay with the request, and the
+        # next step's tokens reuse them.
+        num_new_blocks = max(0, -(-(num_computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
+                             - (0 if req_blocks is None else len(req_blocks)) - len(new_computed_blocks))
         block_pool = self.block_pool
         # Hits sitting in the free queue leave it, so they count against the free blocks too.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) if new_computed_blocks else 0

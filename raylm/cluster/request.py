@@ -68,6 +68,8 @@ class Request:
         self.num_stale_steps = 0  # of those, steps scheduled before the last preemption (ignored)
         self.num_sent_tokens = 0  # token ids the runner has been sent (for send_token_ids)
         self.num_preemptions = 0
+        # Speculative decoding: the runner's proposal for the next step (drafts of the tokens after the last one).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

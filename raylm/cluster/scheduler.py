@@ -14,9 +14,10 @@ from raylm.cluster.kv_cache_manager import KVCacheManager
 from raylm.cluster.outputs import EngineCoreOutput
 from raylm.cluster.request import Request, RequestStatus
 from raylm.cluster.request_queue import create_request_queue, preemption_victim
+from raylm.cluster.spec_decode import DraftScheduling
 from raylm.cluster.stop_checker import check_stop
 from raylm.common.outputs import CachedRequestData, LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from raylm.configs.engine_config import CacheConfig, SchedulerConfig
+from raylm.configs.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
 
 
 class Scheduler:
@@ -28,6 +29,7 @@ class Scheduler:
         num_blocks: int,
         block_size: int,
         send_token_ids: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -43,6 +45,8 @@ class Scheduler:
                 f"({max_model_len}) when enable_chunked_prefill is False")
         self.max_model_len = max_model_len
         self.send_token_ids = send_token_ids  # PP > 1: stage 0 did not see the sampled tokens
+        self.drafts = (None if speculative_config is None else
+                       DraftScheduling(speculative_config, self.async_scheduling, max_model_len))
 
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -102,6 +106,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
+        spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         any_preempted = False
@@ -114,7 +119,9 @@ class Scheduler:
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            while (block_ids := allocate_slots(request, num_new_tokens)) is None:
+            drafts, lookahead = ([], 0) if self.drafts is None else self.drafts.plan(request, num_new_tokens, budget)
+            num_new_tokens += len(drafts)
+            while (block_ids := allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)) is None:
                 victim_index = preemption_victim(running, self.policy)
                 victim = running.pop(victim_index)
                 if victim_index < req_index:
@@ -122,6 +129,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled_tokens:  # already scheduled this step: undo that
                     budget += num_scheduled_tokens.pop(victim.request_id)
                     del new_block_ids[victim.request_id]
+                    spec_tokens.pop(victim.request_id, None)
                     scheduled_running.remove(victim)
                 self._preempt(victim)
                 any_preempted = True
@@ -131,6 +139,8 @@ class Scheduler:
                 continue  # the request preempted itself; req_index already points at the next one
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_block_ids[request.request_id] = block_ids
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             scheduled_running.append(request)
             budget -= num_new_tokens
             req_index += 1
@@ -144,8 +154,9 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break  # waits for a step with room, keeping the queue order
                 num_new_tokens = budget
+            lookahead = self.drafts.lookahead(request, num_computed_tokens + num_new_tokens) if self.drafts else 0
             if self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_computed_tokens, computed_blocks) is None:
+                    request, num_new_tokens, num_computed_tokens, computed_blocks, lookahead) is None:
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -167,10 +178,12 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         for request in scheduled_running + scheduled_new:
-            self._advance(request, num_scheduled_tokens[request.request_id])
+            req_id = request.request_id
+            self._advance(request, num_scheduled_tokens[req_id], len(spec_tokens.get(req_id, ())))
         return output
 
     def update_from_output(
@@ -195,8 +208,12 @@ class Scheduler:
             sampled = sampled_token_ids[row] if row is not None else None
             if not sampled:
                 continue  # a partial prefill
+            num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            if num_drafts:
+                assert self.drafts is not None
+                self.drafts.verified(request, num_drafts, len(sampled))
             if request.num_output_placeholders:
-                request.num_output_placeholders -= len(sampled)
+                request.num_output_placeholders -= 1 + num_drafts  # what _advance counted for the step
                 assert request.num_output_placeholders >= 0
             if request.num_output_tokens == 0:
                 self.num_prompt_tokens += request.num_prompt_tokens
@@ -213,6 +230,8 @@ class Scheduler:
             if finished:
                 finished_requests.add(request)
                 self._free_request(request)
+            elif model_runner_output.spec_token_ids:
+                request.spec_token_ids = model_runner_output.spec_token_ids[row]
             outputs.append(EngineCoreOutput(
                 req_id, sampled[:num_new_tokens], request.get_finished_reason() if finished else None,
                 request.stop_reason, logprobs, max(request.num_cached_tokens, 0),
@@ -262,23 +281,25 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
+        request.spec_token_ids = []
         request.num_stale_steps = request.num_inflight_steps
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
         self.finished_req_ids.add(request.request_id)
 
-    def _advance(self, request: Request, num_tokens: int) -> None:
-        """Count the scheduled tokens as computed right away so the next step can be planned before
-        this one's output is back."""
+    def _advance(self, request: Request, num_tokens: int, num_drafts: int) -> None:
+        """Count the scheduled tokens (drafts included) as computed right away so the next step can be planned
+        before this one's output is back."""
         request.num_computed_tokens = num_computed = request.num_computed_tokens + num_tokens
         request.num_inflight_steps += 1
         request.num_sent_tokens = num_known = request.num_tokens
         num_known_or_pending = num_known + request.num_output_placeholders
-        if self.async_scheduling and num_computed == num_known_or_pending:
-            request.num_output_placeholders += 1  # this step samples; its token is not known yet
-            num_known_or_pending += 1
-        assert num_computed <= num_known_or_pending
+        if self.async_scheduling and num_computed == num_known_or_pending + num_drafts:
+            # This step samples; its tokens are not known yet (planned as if every draft is accepted).
+            request.num_output_placeholders += 1 + num_drafts
+            num_known_or_pending += 1 + num_drafts
+        assert num_computed - num_drafts <= num_known_or_pending
         assert num_computed < self.max_model_len
 
     def _cached_request_data(self, requests: list[Request], new_block_ids: dict[str, list[int]]) -> CachedRequestData:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from raylm.cluster.spec_decode import SpecDecodingStats
 from raylm.common.logger import show_info
 from raylm.configs import EngineConfig
 
@@ -25,6 +26,7 @@ class SchedulerStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    spec_decoding: SpecDecodingStats | None = None  # counters since start; None without speculative decoding
 
     @classmethod
     def total(cls, per_engine: list[SchedulerStats]) -> SchedulerStats:
@@ -32,10 +34,12 @@ class SchedulerStats:
         def total(name: str) -> int:
             return sum(getattr(s, name) for s in per_engine)
 
+        spec = [s.spec_decoding for s in per_engine if s.spec_decoding is not None]
         return cls(total("num_running_reqs"), total("num_waiting_reqs"),
                    sum(s.kv_cache_usage for s in per_engine) / max(len(per_engine), 1),
                    total("prefix_cache_queries"), total("prefix_cache_hits"), total("num_prompt_tokens"),
-                   total("num_generation_tokens"), total("num_preemptions"))
+                   total("num_generation_tokens"), total("num_preemptions"),
+                   SpecDecodingStats.total(spec) if spec else None)
 
 
 @dataclass(frozen=True)
@@ -117,9 +121,14 @@ class LoggingStatLogger:
             return None
         queries = stats.prefix_cache_queries - last.prefix_cache_queries
         hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        spec = ""
+        if stats.spec_decoding is not None:
+            interval = stats.spec_decoding.minus(last.spec_decoding) if last.spec_decoding else stats.spec_decoding
+            spec = (f", Mean acceptance length: {interval.mean_acceptance_length:.2f}, "
+                    f"Draft acceptance rate: {100 * interval.acceptance_rate:.1f}%")
         return (f"Engine {engine_index:03d}: Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {generation / elapsed:.1f} tokens/s, "
                 f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
                 f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%, "
-                f"Preemptions: {stats.num_preemptions - last.num_preemptions}")
+                f"Preemptions: {stats.num_preemptions - last.num_preemptions}{spec}")

@@ -2,7 +2,8 @@
 
 `SchedulerOutput` carries diffs only: requests new to the device, and for requests it already
 holds, the new KV blocks and the number of tokens to compute. `ModelRunnerOutput` carries back
-what was sampled (and the logprobs asked for).
+what was sampled (and the logprobs asked for); with speculative decoding, several tokens per request (the accepted
+drafts and one more) and the next step's proposals.
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from raylm.common.sampling_params import SamplingParams
+
+# A draft token of `SchedulerOutput.scheduled_spec_decode_tokens` that the runner fills in with its own proposal.
+DRAFT_PLACEHOLDER = -1
 
 
 @dataclass
@@ -43,6 +47,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished, aborted or preempted: the runner drops them
+    # Speculative decoding: the draft tokens to verify, per request that has any (counted in num_scheduled_tokens,
+    # after the request's one regular token). DRAFT_PLACEHOLDER: the runner fills in its own latest proposal (async
+    # scheduling plans a step before the previous step's proposals are back).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> SchedulerOutput:
@@ -68,6 +76,8 @@ class ModelRunnerOutput:
     # Whole prompts only, in the step that samples a request's first token: one position per prompt token after
     # the first.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Speculative decoding: the draft tokens proposed for each request's next step, in req_ids order; empty when off.
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

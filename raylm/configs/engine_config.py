@@ -109,6 +109,21 @@ class ObservabilityConfig(_Section):
     trace_file: str | None = Field(None, description="write a Chrome trace of every step's phases on every rank here")
 
 
+class SpeculativeConfig(_Section):
+    """vLLM's speculative_config, given whole (a dict in YAML and keywords, JSON on the command line): it is a section
+    of its own, not flat fields, because its `model` is the draft's, not the target's."""
+
+    method: Literal["ngram", "draft_model"] = Field(
+        description="ngram: prompt lookup in the request's own tokens; draft_model: a smaller checkpoint with the "
+                    "target's vocabulary")
+    num_speculative_tokens: int = Field(ge=1, description="draft tokens proposed per request and step (k)")
+    prompt_lookup_min: int | None = Field(None, ge=1, description="ngram: shortest suffix matched (default: max)")
+    prompt_lookup_max: int | None = Field(None, ge=1, description="ngram: longest suffix matched (default: min, or 5)")
+    model: str | None = Field(None, description="draft_model: the draft checkpoint folder")
+    draft_tensor_parallel_size: int | None = Field(
+        None, ge=1, description="draft_model: its TP size; it runs on the target's workers, so the target's")
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
@@ -129,6 +144,7 @@ class ResolvedConfig:
     num_ray_bundles: int  # CPU bundles a new local Ray must declare: one per engine and per worker
     dp_lockstep: bool  # data-parallel engines step together (MoE with expert parallel over DP > 1)
     max_concurrent_batches: int  # steps the engine keeps in flight
+    draft_model_info: ModelInfo | None = None  # speculative_config's draft checkpoint (method draft_model)
 
 
 @dataclass(frozen=True)
@@ -145,6 +161,7 @@ class EngineConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     serving_config: ServingConfig = field(default_factory=ServingConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     resolved: ResolvedConfig | None = None
 
     @property

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from pathlib import Path
@@ -10,12 +11,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
-from raylm.configs.engine_config import SECTIONS, EngineConfig
+from raylm.configs.engine_config import SECTIONS, EngineConfig, SpeculativeConfig
 
 # field name -> section name, e.g. "max_num_seqs" -> "scheduler_config"
 FIELD_SECTION: dict[str, str] = {
     name: section for section, cls in SECTIONS.items() for name in cls.model_fields
 }
+# Sections given whole under their own name (a mapping in YAML and keywords, JSON on the command line), because their
+# field names repeat other sections' (speculative_config's `model` is the draft's).
+NESTED_SECTIONS: dict[str, type] = {"speculative_config": SpeculativeConfig}
 CONFIGS_DIR = Path(__file__).resolve().parent
 
 
@@ -35,13 +39,14 @@ def make_engine_config(config_file: str | Path | None = None, **overrides: Any) 
     """Settings from `config_file` (flat YAML keys), then `overrides` on top; None values are unset."""
     settings = load_yaml(config_file) if config_file else {}
     settings.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = sorted(set(settings) - set(FIELD_SECTION))
+    unknown = sorted(set(settings) - set(FIELD_SECTION) - set(NESTED_SECTIONS))
     if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}; known settings: {sorted(FIELD_SECTION)}")
+        raise ValueError(f"unknown setting(s) {unknown}; known settings: {sorted([*FIELD_SECTION, *NESTED_SECTIONS])}")
+    sections: dict[str, Any] = {name: _nested_section(name, settings.pop(name))
+                                 for name in NESTED_SECTIONS if name in settings}
     grouped: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     for name, value in settings.items():
         grouped[FIELD_SECTION[name]][name] = value
-    sections = {}
     for section, values in grouped.items():
         try:
             sections[section] = SECTIONS[section](**values)
@@ -50,8 +55,28 @@ def make_engine_config(config_file: str | Path | None = None, **overrides: Any) 
     return EngineConfig(**sections)
 
 
-def _describe(err: ValidationError) -> str:
-    lines = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in err.errors()]
+def _nested_section(name: str, value: Any) -> Any:
+    """A whole section from a mapping, a JSON object (the CLI's form) or an instance."""
+    cls = NESTED_SECTIONS[name]
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name}: not valid JSON ({err}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a mapping of its fields, got {value!r}")
+    try:
+        return cls(**value)
+    except ValidationError as err:
+        raise ValueError(_describe(err, name)) from None
+
+
+def _describe(err: ValidationError, section: str | None = None) -> str:
+    prefix = f"{section}." if section else ""
+    lines = [f"{prefix}{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
+             for e in err.errors()]
     return "invalid setting: " + "; ".join(lines)
 
 
@@ -72,10 +97,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=name, type=item, nargs="+", default=None, help=field.description)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=None, help=field.description)
+    for name in NESTED_SECTIONS:  # parsed (JSON) when the config is made, so the error names the section
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                            help=f"{name} as a JSON object, e.g. '{{\"method\": \"ngram\", "
+                                 f"\"num_speculative_tokens\": 3}}'")
 
 
 def engine_args_from(namespace: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(namespace, name) for name in FIELD_SECTION if getattr(namespace, name, None) is not None}
+    return {name: getattr(namespace, name) for name in [*FIELD_SECTION, *NESTED_SECTIONS]
+            if getattr(namespace, name, None) is not None}
 
 
 def _base_type(annotation: Any) -> Any:

@@ -19,7 +19,7 @@ class BatchDescriptor:
     num_tokens: int  # scheduled (or dummy) tokens
     num_tokens_padded: int  # tokens the forward runs on: num_tokens plus padding rows that are never sampled
     num_reqs: int
-    uniform_decode: bool  # every request has a query of exactly one token
+    uniform_decode: bool  # every request has a query of exactly uniform_decode_query_len tokens (1, or 1 + k drafts)
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
     should_ubatch: bool = False
     num_tokens_across_dp: list[int] | None = None  # padded tokens of every DP rank; None without lock-step DP

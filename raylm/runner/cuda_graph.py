@@ -55,7 +55,7 @@ class CUDAGraphRunner:
 
 
 def why_no_full_graphs(is_moe: bool, pipeline_parallel: bool, device: torch.device, dtype: torch.dtype,
-                       attn_backend: AttentionBackend) -> str | None:
+                       attn_backend: AttentionBackend, uniform_decode_query_len: int = 1) -> str | None:
     """Why this model cannot replay as one captured graph (None: it can). On CPU nothing is captured: FULL only pads
     there (so tests run the padding paths), whatever the attention backend or the experts' matmul. Expert parallel
     can: a FULL forward exchanges tokens through fixed-capacity buffers (runner/distributed/fixed_capacity.py)."""
@@ -67,6 +67,10 @@ def why_no_full_graphs(is_moe: bool, pipeline_parallel: bool, device: torch.devi
         return "pipeline stages exchange tensors between forwards"
     if device.type == "cuda" and attn_backend.cudagraph_support == AttentionCGSupport.NEVER:
         return f"attention backend {attn_backend.name!r} has no fixed-buffer decode"
+    if (device.type == "cuda" and uniform_decode_query_len > 1
+            and attn_backend.cudagraph_support < AttentionCGSupport.UNIFORM_BATCH):
+        return (f"attention backend {attn_backend.name!r} captures one-token decodes only, and speculative decoding's "
+                f"decode batches have {uniform_decode_query_len} tokens per request")
     return None
 
 

@@ -3,8 +3,9 @@ uniform decode batch (every request one query token). Device-free: on CPU it dec
 the padding paths run in tests) and the runner runs the forward eagerly.
 
 Modes are vLLM's. raylm captures FULL graphs of uniform decode batches only (one graph per padded size, the attention
-metadata read from fixed buffers); mixed batches run eagerly. PIECEWISE graphs, which need torch.compile's graph
-splitting, are refused when the config is built (raylm/configs/engine_config.py).
+metadata read from fixed buffers); mixed batches run eagerly. With speculative decoding a uniform decode batch is one
+of k + 1 tokens per request (vLLM's uniform_decode_query_len): its sizes are multiples of k + 1. PIECEWISE graphs,
+which need torch.compile's graph splitting, are refused when the config is built (raylm/configs/engine_config.py).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def resolve_cudagraph_mode(compilation: CompilationConfig, device_type: str) -> 
 
 class CudagraphDispatcher:
     def __init__(self, compilation: CompilationConfig, scheduler: SchedulerConfig, device_type: str,
-                 why_no_full: str | None = None) -> None:
+                 why_no_full: str | None = None, uniform_decode_query_len: int = 1) -> None:
         """`compilation` resolved (its cudagraph_mode set). `why_no_full`: why the model cannot run as one captured
         graph (expert parallel reads counts back to the host, pipeline stages exchange tensors, ...); uniform decode
         batches then run eagerly too."""
@@ -58,11 +59,14 @@ class CudagraphDispatcher:
                             self.mode_name, why_no_full)
         self.mixed_mode, self.decode_mode = CUDAGraphMode.NONE, decode
         limit = scheduler.max_num_batched_tokens
+        q = self.uniform_decode_query_len = uniform_decode_query_len
         if compilation.cudagraph_capture_sizes is not None:
             asked = sorted(set(compilation.cudagraph_capture_sizes))
         else:
             largest = compilation.max_cudagraph_capture_size or min(scheduler.max_num_seqs, _MAX_DEFAULT_CAPTURE_SIZE)
-            asked = default_capture_sizes(largest)
+            asked = default_capture_sizes(largest * q if compilation.max_cudagraph_capture_size is None else largest)
+        if q > 1:  # a padded uniform batch is whole requests of q tokens (vLLM rounds the sizes the same way)
+            asked = sorted({-(-size // q) * q for size in asked})
         self.capture_sizes = [s for s in asked if s <= limit]
         if len(self.capture_sizes) < len(asked):
             logger.info("cudagraph_capture_sizes above max_num_batched_tokens (%d) dropped: %s", limit,
@@ -70,7 +74,7 @@ class CudagraphDispatcher:
         if not self.capture_sizes:
             self.mixed_mode = self.decode_mode = CUDAGraphMode.NONE
         self.max_capture_size = self.capture_sizes[-1] if self.capture_sizes else 0
-        # A uniform decode batch has one request per token: a FULL graph's padded requests must fit the batch rows.
+        # A uniform decode batch has one request per q tokens: a FULL graph's padded requests must fit the batch rows.
         self.max_num_reqs = scheduler.max_num_seqs
 
     @property
@@ -78,7 +82,7 @@ class CudagraphDispatcher:
         """The sizes a FULL graph is captured for (uniform decode batches): none when FULL is never dispatched."""
         if self.decode_mode != CUDAGraphMode.FULL:
             return []
-        return [s for s in self.capture_sizes if s <= self.max_num_reqs]
+        return [s for s in self.capture_sizes if s // self.uniform_decode_query_len <= self.max_num_reqs]
 
     def padded_size(self, num_tokens: int) -> int:
         """The smallest capture size >= num_tokens (num_tokens <= max_capture_size)."""
@@ -91,6 +95,6 @@ class CudagraphDispatcher:
         if mode == CUDAGraphMode.NONE or num_tokens > self.max_capture_size:
             return CUDAGraphMode.NONE, num_tokens
         padded = self.padded_size(num_tokens)
-        if padded > self.max_num_reqs:  # FULL's padded requests must fit the batch rows
+        if padded // self.uniform_decode_query_len > self.max_num_reqs:  # FULL's padded requests must fit the rows
             return CUDAGraphMode.NONE, num_tokens
         return mode, padded

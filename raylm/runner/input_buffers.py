@@ -13,6 +13,7 @@ import torch
 from raylm.common.outputs import SchedulerOutput
 from raylm.runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
 from raylm.runner.input_batch import InputBatch
+from raylm.runner.spec_decode.metadata import SpecDecodeMetadata, build_spec_decode_metadata
 
 
 class CpuGpuBuffer:
@@ -39,17 +40,21 @@ class PreparedInputs:
     num_reqs: int
     sampling_rows: np.ndarray
     logits_indices: torch.Tensor
+    spec_decode_metadata: SpecDecodeMetadata | None = None  # where the drafts are; None: no request has any
+    uniform_decode_query_len: int = 1  # 1 + k with speculative decoding
 
     @property
     def uniform_decode(self) -> bool:
-        # Each request in the batch has at least one scheduled token: as many tokens as requests is all decode.
-        return self.num_tokens == self.num_reqs
+        # Each request has at least one scheduled token: q tokens per request and none longer is all decode of q.
+        q = self.uniform_decode_query_len
+        return self.num_tokens == self.num_reqs * q and self.common.max_query_len == q
 
 
 class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, uniform_decode_query_len: int = 1) -> None:
         self.max_num_tokens, self.max_num_reqs = max_num_tokens, max_num_reqs
+        self.uniform_decode_query_len = uniform_decode_query_len
         self.max_blocks_per_req, self.block_size, self.device = max_blocks_per_req, block_size, device
         self.input_ids = CpuGpuBuffer(max_num_tokens, torch.int64, device)
         self.positions = CpuGpuBuffer(max_num_tokens, torch.int64, device)
@@ -61,9 +66,11 @@ class InputBuffers:
         # query_start_loc of padding requests (one token each) in a fixed-buffer decode, copied on the device.
         self._arange_gpu = torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device)
 
-    def prepare(self, scheduler_output: SchedulerOutput, batch: InputBatch) -> PreparedInputs:
+    def prepare(self, scheduler_output: SchedulerOutput, batch: InputBatch,
+                num_draft_tokens: np.ndarray | None = None) -> PreparedInputs:
         """Pack the scheduled tokens of the InputBatch rows. The backend builds its own metadata once the batch
-        decision is taken: per micro-batch, or not at all for a CUDA graph replay."""
+        decision is taken: per micro-batch, or not at all for a CUDA graph replay. `num_draft_tokens` per row:
+        speculative decoding's drafts, written in each row after its known tokens and scheduled after them."""
         num_reqs = batch.num_reqs
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         num_scheduled = np.array([num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64)
@@ -94,13 +101,28 @@ class InputBuffers:
         self.seq_lens.np[:num_reqs] = seq_lens
         # Partial prefills do not sample: their last scheduled token is not the last known one.
         sampling_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
-        logits_indices = torch.from_numpy(cu_num_tokens[sampling_rows] - 1).to(self.device, non_blocking=True)
+        spec = None
+        if num_draft_tokens is not None and num_draft_tokens.any():
+            spec = self._spec_decode_metadata(batch, sampling_rows, num_draft_tokens, cu_num_tokens)
+            logits_indices = spec.logits_indices
+        else:
+            logits_indices = torch.from_numpy(cu_num_tokens[sampling_rows] - 1).to(self.device, non_blocking=True)
 
         max_blocks = int(batch.block_table.num_blocks[:num_reqs].max())
         self.block_table[:num_reqs, :max_blocks].copy_(
             torch.from_numpy(batch.block_table.table[:num_reqs, :max_blocks]), non_blocking=True)
         common = self.common_metadata(num_reqs, num_tokens, max_blocks, int(num_scheduled.max()), int(seq_lens.max()))
-        return PreparedInputs(common, num_tokens, num_reqs, sampling_rows, logits_indices)
+        return PreparedInputs(common, num_tokens, num_reqs, sampling_rows, logits_indices, spec,
+                              self.uniform_decode_query_len)
+
+    def _spec_decode_metadata(self, batch: InputBatch, sampling_rows: np.ndarray, num_draft_tokens: np.ndarray,
+                              cu_num_tokens: np.ndarray) -> SpecDecodeMetadata:
+        num_drafts = num_draft_tokens[sampling_rows]
+        assert num_drafts.sum() == num_draft_tokens.sum(), "a request with drafts samples"
+        offsets = np.arange(int(num_drafts.sum())) - np.repeat(num_drafts.cumsum() - num_drafts, num_drafts)
+        draft_rows = np.repeat(sampling_rows, num_drafts)
+        draft_token_ids = batch.token_ids_cpu[draft_rows, batch.num_tokens[draft_rows] + offsets]
+        return build_spec_decode_metadata(num_drafts, cu_num_tokens[sampling_rows] - 1, draft_token_ids, self.device)
 
     def common_metadata(self, num_reqs: int, num_tokens: int, max_blocks: int, max_query_len: int,
                         max_seq_len: int) -> CommonAttentionMetadata:

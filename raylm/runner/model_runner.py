@@ -40,6 +40,8 @@ from raylm.runner.prompt_logprobs import PromptLogprobsProcessor
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_lists
 from raylm.runner.sleep_mode import SleepMode
+from raylm.runner.spec_decode.metadata import SpecDecodeMetadata
+from raylm.runner.spec_decode.spec_decoder import SpecDecoder
 from raylm.runner.ubatch_splitting import create_ubatch_slices
 from raylm.runner.ubatching import forward_in_ubatches
 
@@ -53,6 +55,8 @@ class ExecuteModelState:
     scheduler_output: SchedulerOutput
     logits: torch.Tensor  # [num_sampling_reqs, vocab]
     sampling_rows: np.ndarray  # InputBatch rows that sample, in logits order
+    spec_decode_metadata: SpecDecodeMetadata | None = None  # the drafts' logits rows, when any request has drafts
+    hidden_states: torch.Tensor | None = None  # the forward's output (speculative decoding's proposer may read it)
 
 
 class ModelRunner:
@@ -71,8 +75,10 @@ class ModelRunner:
 
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks_per_req, model_info.vocab_size)
+        spec = config.speculative_config
+        self.uniform_decode_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
         self.buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens, self.max_num_reqs,
-                                    max_blocks_per_req, self.block_size, device)
+                                    max_blocks_per_req, self.block_size, device, self.uniform_decode_query_len)
         self.attn_backend = get_attn_backend(config.cache_config.attention_backend)
         self.sampler = Sampler()
         self.sampling_metadata = SamplingMetadataBuilder(model_info.eos_token_ids, device)
@@ -88,6 +94,8 @@ class ModelRunner:
         self.sleep_mode: SleepMode | None = None  # once the KV cache exists
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
+        self.spec_decoder = (None if config.speculative_config is None else
+                             SpecDecoder(config, self.attn_backend, self.dtype, device))
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -98,20 +106,27 @@ class ModelRunner:
                                 partition=self.config.parallel_config.pp_layer_partition)
         self.model.register_forward_pre_hook(CountForwards(self.counts))
         why_not_full = why_no_full_graphs(self.model_info.is_moe, pp.world_size > 1, self.device, self.dtype,
-                                          self.attn_backend)
+                                          self.attn_backend, self.uniform_decode_query_len)
         dispatcher = CudagraphDispatcher(self.config.compilation_config, self.config.scheduler_config,
-                                         self.device.type, why_not_full)
+                                         self.device.type, why_not_full, self.uniform_decode_query_len)
         self.planner = BatchPlanner(dispatcher, self.config.parallel_config, get_dp_group())
         self.graphs = DecodeGraphs(dispatcher, self.attn_backend, self.buffers, self.device)
+        if self.spec_decoder is not None:
+            self.spec_decoder.proposer.load_model(self.model)
 
     def attention_layers(self) -> list[Attention]:
         assert self.model is not None, "load_model first"
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
+    def kv_cache_layers(self) -> list[Attention]:
+        """Every layer that gets KV cache: the model's, and a speculative proposer's (in the same blocks)."""
+        proposer = [] if self.spec_decoder is None else self.spec_decoder.proposer.attention_layers()
+        return self.attention_layers() + proposer
+
     def kv_cache_bytes_per_block(self) -> int:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         total = 0
-        for layer in self.attention_layers():
+        for layer in self.kv_cache_layers():
             shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
             total += int(np.prod(shape)) * element_size
         return total
@@ -123,7 +138,7 @@ class ModelRunner:
         extra = 1 if self.graphs.enabled else 0
         self.graphs.scratch_slot = num_blocks * self.block_size if extra else -1
         self.kv_caches = []
-        for layer in self.attention_layers():
+        for layer in self.kv_cache_layers():
             shape = self.attn_backend.get_kv_cache_shape(num_blocks + extra, self.block_size, layer.num_kv_heads,
                                                          layer.head_size)
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -151,7 +166,9 @@ class ModelRunner:
         assert pp.is_first_rank or intermediate_tensors is not None, "a later pipeline stage needs the tensors sent"
 
         with tracing.span("prepare_inputs"):
-            inputs = self.buffers.prepare(scheduler_output, self.input_batch)
+            drafts = (None if self.spec_decoder is None
+                      else self.spec_decoder.prepare_drafts(scheduler_output, self.input_batch))
+            inputs = self.buffers.prepare(scheduler_output, self.input_batch, drafts)
         output = self._run_forward(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode, inputs.common,
                                    intermediate_tensors)
         if not pp.is_last_rank:
@@ -162,7 +179,8 @@ class ModelRunner:
             logits = self.model.compute_logits(output[inputs.logits_indices]).float()
             self.prompt_logprobs.compute(output, self.input_batch, self.buffers.query_start_loc.np,
                                          self.model.compute_logits)
-        self.execute_model_state = ExecuteModelState(scheduler_output, logits, inputs.sampling_rows)
+        self.execute_model_state = ExecuteModelState(scheduler_output, logits, inputs.sampling_rows,
+                                                     inputs.spec_decode_metadata, output)
         return None
 
     @torch.inference_mode()
@@ -172,6 +190,12 @@ class ModelRunner:
             return None  # non-last pipeline stage, or execute_model already answered
         self.execute_model_state = None
         batch, rows = self.input_batch, state.sampling_rows
+        if self.spec_decoder is not None:
+            with tracing.span("sample"):
+                spec = self.spec_decoder.sample(state.logits, state.spec_decode_metadata, rows, batch,
+                                                self.sampling_metadata.build(batch, rows), state.hidden_states)
+            return ModelRunnerOutput(list(batch.req_ids[: batch.num_reqs]), spec.sampled_token_ids, spec.logprobs,
+                                     self.prompt_logprobs.pop_completed(), spec.spec_token_ids)
         with tracing.span("sample"):
             sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
             sampled = to_host(sampler_output.sampled_token_ids)[0].tolist()  # the step's one host wait
@@ -199,6 +223,8 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self.prompt_logprobs.remove_request(req_id)
+            if self.spec_decoder is not None:
+                self.spec_decoder.remove_request(req_id)
             batch.remove_request(req_id)
         # Requests not scheduled this step leave the batch but keep their state (the order of removals does not
         # matter: holes are refilled lowest first).
@@ -221,6 +247,8 @@ class ModelRunner:
         for i, (req_id, new_block_ids, num_computed) in enumerate(
                 zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)):
             state = requests[req_id]
+            if self.spec_decoder is not None:  # async scheduling counted every draft in flight as accepted
+                num_computed = self.spec_decoder.correct_num_computed(req_id, num_computed)
             state.num_computed_tokens = num_computed
             row = req_id_to_index.get(req_id)
             if row is None:

@@ -66,6 +66,15 @@ class PrometheusStatLogger:
                                                _TOKEN_COUNT_BUCKETS)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Generated tokens per finished request.", _TOKEN_COUNT_BUCKETS)
+        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts",
+                                              "Speculative decoding: request steps that verified drafts.")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                                    "Speculative decoding: draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Speculative decoding: draft tokens accepted.")
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: draft tokens accepted, by position.",
+            ("position",))
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Prompt plus generated tokens per step.",
                                           _TOKEN_COUNT_BUCKETS)
         self._last_stats: dict[int, SchedulerStats] = {}
@@ -114,6 +123,7 @@ class PrometheusStatLogger:
         self.prefix_cache_queries.labels(**label).inc(scheduler_stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_cache_hits.labels(**label).inc(scheduler_stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.labels(**label).inc(scheduler_stats.num_preemptions - last.num_preemptions)
+        self._record_spec_decoding(label, scheduler_stats, last)
         self._last_stats[engine_index] = scheduler_stats
 
         self.prompt_tokens.labels(**label).inc(iteration_stats.num_prompt_tokens)
@@ -134,6 +144,17 @@ class PrometheusStatLogger:
             self.request_inference_time.labels(**label).observe(finished.inference_time)
             self.request_prompt_tokens.labels(**label).observe(finished.num_prompt_tokens)
             self.request_generation_tokens.labels(**label).observe(finished.num_generation_tokens)
+
+    def _record_spec_decoding(self, label: dict[str, str], stats: SchedulerStats, last: SchedulerStats) -> None:
+        spec = stats.spec_decoding
+        if spec is None:
+            return
+        delta = spec.minus(last.spec_decoding) if last.spec_decoding is not None else spec
+        self.spec_decode_num_drafts.labels(**label).inc(delta.num_drafts)
+        self.spec_decode_num_draft_tokens.labels(**label).inc(delta.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.labels(**label).inc(delta.num_accepted_tokens)
+        for position, accepted in enumerate(delta.num_accepted_tokens_per_pos):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(position=str(position), **label).inc(accepted)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
