@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raylm.common.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from raylm.common.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished, aborted or preempted: the runner drops them
+    kv_connector_metadata: KVConnectorMetadata | None = None  # with a kv_connector: this step's transfers
 
     @classmethod
     def empty(cls) -> SchedulerOutput:
@@ -68,6 +70,7 @@ class ModelRunnerOutput:
     # Whole prompts only, in the step that samples a request's first token: one position per prompt token after
     # the first.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None  # with a kv_connector: transfers finished or failed
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

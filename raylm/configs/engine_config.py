@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from raylm.configs.kv_transfer import KVTransferConfig, RoutingConfig
+
 if TYPE_CHECKING:
     from raylm.configs.model_info import ModelInfo
 
@@ -109,7 +111,7 @@ class ObservabilityConfig(_Section):
     trace_file: str | None = Field(None, description="write a Chrome trace of every step's phases on every rank here")
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[BaseModel]] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
     "parallel_config": ParallelConfig,
@@ -117,6 +119,8 @@ SECTIONS: dict[str, type[_Section]] = {
     "compilation_config": CompilationConfig,
     "serving_config": ServingConfig,
     "observability_config": ObservabilityConfig,
+    "kv_transfer_config": KVTransferConfig,
+    "routing_config": RoutingConfig,
 }
 
 
@@ -145,6 +149,8 @@ class EngineConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     serving_config: ServingConfig = field(default_factory=ServingConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
+    routing_config: RoutingConfig = field(default_factory=RoutingConfig)
     resolved: ResolvedConfig | None = None
 
     @property
