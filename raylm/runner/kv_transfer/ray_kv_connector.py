@@ -203,6 +203,9 @@ class RayKVConnector(KVConnectorBase):
         """Nothing to wait for: a request's KV is received before it is scheduled."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        self._save_layer(layer_name, kv_layer)
+
+    def _save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, RayKVMetadata)
         for job in metadata.sends:
@@ -217,7 +220,7 @@ class RayKVConnector(KVConnectorBase):
             return
         # Layers a captured CUDA graph ran without calling save_kv_layer are saved now.
         for layer_name, kv_layer in self.kv_caches.items():
-            self.save_kv_layer(layer_name, kv_layer, None)
+            self._save_layer(layer_name, kv_layer)
         for job in metadata.sends:
             self._sender.submit(self._offer, job)
 
