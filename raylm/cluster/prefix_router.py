@@ -53,6 +53,9 @@ class PrefixRouter(Generic[T]):
         self._blocks.setdefault(target, OrderedDict())
         self._trim(target)
 
+    def targets(self) -> list[T]:
+        return list(self._blocks)
+
     def remove(self, target: T) -> None:
         self._blocks.pop(target, None)
         self._capacity.pop(target, None)
