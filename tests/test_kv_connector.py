@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+import torch
 
 from raylm.cluster import LLM, RequestOutput, SamplingParams
 from raylm.cluster.block_pool import hash_block_tokens
@@ -233,3 +234,23 @@ def test_transfer_whose_store_is_gone_is_recomputed(engines: dict[str, LLM]) -> 
     expected = tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))
     assert tokens(prefill_then_decode(prefill, decode, prompts, GREEDY)) == expected
     assert_pool_empty(prefill, decode)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_disaggregated_on_cuda_equals_colocated(ray_cluster: Any, llama_path: Path) -> None:
+    """The same hand-over from device caches: blocks copied device to host into the object store, and back."""
+    cuda = dict(ENGINE, device="cuda", dtype="float32")
+    model = str(llama_path)
+    colocated = LLM(model=model, **cuda)
+    prefill = LLM(model=model, kv_connector="RayKVConnector", kv_role="kv_producer", **cuda)
+    decode = LLM(model=model, kv_connector="RayKVConnector", kv_role="kv_consumer", **cuda)
+    try:
+        prompts = token_prompts((5, 17, 64, 100), seed=20)
+        for params in (GREEDY, SEEDED):
+            expected = tokens(colocated.generate(prompts, params, use_tqdm=False))
+            assert tokens(prefill_then_decode(prefill, decode, prompts, params)) == expected
+        assert_pool_empty(prefill, decode)
+    finally:
+        for llm in (colocated, prefill, decode):
+            llm.shutdown()
