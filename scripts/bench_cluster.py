@@ -1,7 +1,8 @@
 """Across engines, side by side in one run:
 
 (a) multi-turn chat over 2 data-parallel engines, routing_policy load vs prefix: many conversations at once, each
-    turn resending the whole history as soon as the previous answer is done; prefix-cache hit rate and TTFT p50/p99.
+    turn resending the whole history a random think time after the previous answer; prefix-cache hit rate and TTFT
+    p50/p99.
 (b) a returning conversation whose blocks were evicted from a small KV pool: its TTFT when the OffloadingConnector
     loads them back from the node's host store, against recomputing them.
 (c) long prompts arriving among running decodes: the decodes' inter-token latency p50/p99 on one colocated engine
@@ -44,7 +45,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def chat_run(llm: LLM, args: argparse.Namespace, seed: int) -> tuple[float, list[float]]:
-    """Every conversation sends its next turn as soon as its answer is done; (hit rate, TTFTs in s)."""
+    """Every conversation sends its next turn a random think time (0 to 2 x --think-s) after its answer is done;
+    (hit rate, TTFTs in s)."""
     rng = random.Random(seed)
     engine, answer = llm.llm_engine, SamplingParams(temperature=0.0, max_tokens=args.answer_len, ignore_eos=True)
     history = {c: [rng.randrange(5, args.vocab) for _ in range(args.system_len)] for c in range(args.conversations)}
@@ -59,9 +61,16 @@ def chat_run(llm: LLM, args: argparse.Namespace, seed: int) -> tuple[float, list
         engine.add_request(request_id, {"prompt_token_ids": history[conv]}, answer)
         sent[request_id] = time.perf_counter()
 
-    for conv in history:
-        send(conv)
-    while engine.has_unfinished_requests():
+    start = time.perf_counter()
+    due = {conv: start + rng.uniform(0, 2 * args.think_s) for conv in history}  # when each sends its next turn
+    while due or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        for conv in [conv for conv, at in due.items() if at <= now]:
+            del due[conv]
+            send(conv)
+        if not engine.has_unfinished_requests():
+            time.sleep(0.002)
+            continue
         for output in engine.step():
             if output.request_id in sent and output.outputs[0].token_ids:
                 ttfts.append(time.perf_counter() - sent.pop(output.request_id))
@@ -70,7 +79,7 @@ def chat_run(llm: LLM, args: argparse.Namespace, seed: int) -> tuple[float, list
                 history[conv] += output.outputs[0].token_ids
                 turns[conv] += 1
                 if turns[conv] < args.turns:
-                    send(conv)
+                    due[conv] = time.perf_counter() + rng.uniform(0, 2 * args.think_s)
     stats = engine.engine_core.engine_stats()
     hits = sum(s.prefix_cache_hits for s in stats) - sum(s.prefix_cache_hits for s in stats_before)
     queries = sum(s.prefix_cache_queries for s in stats) - sum(s.prefix_cache_queries for s in stats_before)
@@ -90,9 +99,9 @@ def bench_chat(args: argparse.Namespace) -> list[str]:
                 results[policy].append(result)
     for llm in llms.values():
         llm.shutdown()
-    lines = [f"(a) {args.conversations} conversations x {args.turns} turns at once over 2 DP engines "
-             f"({args.chat_model} model): {args.system_len}-token first prompt, +{args.user_len} user tokens and "
-             f"the {args.answer_len}-token answer per turn",
+    lines = [f"(a) {args.conversations} conversations x {args.turns} turns over 2 DP engines ({args.chat_model} "
+             f"model): {args.system_len}-token first prompt, +{args.user_len} user tokens and the {args.answer_len}-"
+             f"token answer per turn, each turn 0-{2 * args.think_s:g} s after the last answer",
              "| routing_policy | prefix hit rate | TTFT p50 (ms) | TTFT p99 (ms) |", "|---|---|---|---|"]
     for policy, runs in results.items():
         ttfts = [t for _, run_ttfts in runs for t in run_ttfts]
@@ -160,6 +169,7 @@ def main() -> None:
     parser.add_argument("--system-len", type=int, default=384)
     parser.add_argument("--user-len", type=int, default=32)
     parser.add_argument("--answer-len", type=int, default=16)
+    parser.add_argument("--think-s", type=float, default=0.5, help="(a): mean pause before the next turn")
     parser.add_argument("--offload-model", default="100m", help="preset for (b)")
     parser.add_argument("--return-len", type=int, default=384)
     parser.add_argument("--evict-len", type=int, default=448)
