@@ -1,7 +1,8 @@
 """KV connectors on a local Ray: disaggregated prefill (RayKVConnector: a prefill engine's KV taken by a decode engine)
 gives the colocated engine's tokens, greedy and seeded, for prompts ending mid-block and with prefix-cache hits on the
 decode side; offloaded-then-loaded KV (OffloadingConnector) gives the tokens of recompute; a transfer or load that
-fails or comes in part is recomputed, leaving every block of both engines back in its pool; the connector calls come
+fails or comes in part is recomputed, leaving every block of both engines back in its pool; a transfer that finds the
+decode pool full waits for room instead of being dropped; the connector calls come
 in vLLM's documented order. The engines here run a connector that also writes its calls down (kv_connector_recorder)."""
 from __future__ import annotations
 
@@ -157,6 +158,24 @@ def test_missing_or_partial_transfer_is_recomputed(engines: dict[str, LLM]) -> N
 
     assert tokens(prefill_then_decode(prefill, decode, prompts, GREEDY, partial)) == expected
     assert tracker.num_failed_loads - failed == 4
+    assert_pool_empty(prefill, decode)
+
+
+def test_transfer_waits_for_room_on_a_full_decode_pool(engines: dict[str, LLM]) -> None:
+    """Three running prompts hold 45 of the decode engine's 48 blocks when a transferred prompt needing 4 arrives: it
+    is admitted to receive its KV once they finish, rather than dropping the transfer and recomputing."""
+    prefill, decode = engines["prefill"], engines["decode"]
+    busy = token_prompts((232, 232, 232), seed=8)
+    [prompt] = token_prompts((60,), seed=9)
+    expected = tokens(engines["colocated"].generate([prompt], GREEDY, use_tqdm=False))
+    [prefilled] = prefill.generate([prompt], PREFILL, use_tqdm=False)
+    tracker = scheduler_of(decode).kv_transfers
+    assert tracker is not None
+    received, failed = tracker.num_received_tokens, tracker.num_failed_loads
+    with_transfer = replace(GREEDY, extra_args={"kv_transfer_params": prefilled.kv_transfer_params})
+    outputs = decode.generate(busy + [prompt], [GREEDY] * 3 + [with_transfer], use_tqdm=False)
+    assert tokens(outputs[3:]) == expected
+    assert (tracker.num_received_tokens - received, tracker.num_failed_loads - failed) == (59, 0)
     assert_pool_empty(prefill, decode)
 
 

@@ -85,7 +85,9 @@ class RayKVConnector(KVConnectorBase):
             self._producing: dict[str, _Producing] = {}
             self._found: dict[str, tuple[int, dict[str, Any]]] = {}  # request -> (first block, its params)
             self._recvs: list[RecvJob] = []
-            self._consumed: set[str] = set()  # requests that used their params: a preempted one recomputes (vLLM's)
+            # Requests that used (or could not use) their params: a preempted one recomputes (vLLM's). A request
+            # whose blocks could not be allocated yet asks again at the next step.
+            self._consumed: set[str] = set()
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -99,14 +101,15 @@ class RayKVConnector(KVConnectorBase):
         if (not self.is_consumer or not params or not params.get("do_remote_prefill")
                 or request.request_id in self._consumed):
             return 0, False
-        self._consumed.add(request.request_id)
         problem = self._mismatch(request, params)
         if problem is not None:
+            self._consumed.add(request.request_id)
             logger.warning("request %s: the prefill's KV is not used (%s); it is recomputed", request.request_id,
                            problem)
             return 0, False
         num_external = request.num_prompt_tokens - 1 - num_computed_tokens  # the last one gives the first token
         if num_external <= 0:
+            self._consumed.add(request.request_id)
             return 0, False
         self._found[request.request_id] = (num_computed_tokens // self.block_size, params)
         return num_external, True
@@ -115,6 +118,7 @@ class RayKVConnector(KVConnectorBase):
         found = self._found.pop(request.request_id, None)
         if num_external_tokens and found is not None:
             first, params = found
+            self._consumed.add(request.request_id)
             last = -(-(first * self.block_size + num_external_tokens) // self.block_size)
             self._recvs.append(RecvJob(request.request_id, params["remote_transfer_key"], params["remote_store"],
                                        first, block_ids[first:last], self.timeout_s))
