@@ -2,8 +2,8 @@
 gives the colocated engine's tokens, greedy and seeded, for prompts ending mid-block and with prefix-cache hits on the
 decode side; offloaded-then-loaded KV (OffloadingConnector) gives the tokens of recompute; a transfer or load that
 fails or comes in part is recomputed, leaving every block of both engines back in its pool; a transfer that finds the
-decode pool full waits for room instead of being dropped; the connector calls come
-in vLLM's documented order. The engines here run a connector that also writes its calls down (kv_connector_recorder)."""
+decode pool full waits for room instead of being dropped; the connector calls come in vLLM's documented order. The
+engines here run a connector that also writes its calls down (kv_connector_recorder)."""
 from __future__ import annotations
 
 import random
