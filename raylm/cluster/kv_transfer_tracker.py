@@ -2,8 +2,8 @@
 
 - A request whose KV the connector can provide waits for it in WAITING_FOR_REMOTE_KVS, holding its blocks, outside the
   waiting queue, so the requests behind it are admitted meanwhile. When the worker reports it received, it rejoins the
-  queue with its tokens computed up to the first block whose load failed (all of them when none did): a failed load
-  is recomputed.
+  scheduler's admission, ahead of the waiting queue, with its tokens computed up to the first block whose load failed
+  (all of them when none did): a failed load is recomputed.
 - A finished request whose blocks the connector still sends from (delay_free) keeps them until the worker reports it
   sent; one aborted while receiving keeps them until its load ends, since the load still writes into them.
 """
@@ -14,6 +14,7 @@ from typing import Any
 
 from raylm.cluster.kv_cache_manager import KVCacheManager
 from raylm.cluster.request import Request, RequestStatus
+from raylm.cluster.request_queue import FCFSRequestQueue
 from raylm.common.kv_transfer import KVConnectorOutput
 from raylm.runner.kv_transfer import KVConnectorBase
 
@@ -26,7 +27,7 @@ class KVTransferTracker:
         self.kv_cache_manager = kv_cache_manager
         self.receiving: dict[str, Request] = {}
         self.num_local_tokens: dict[str, int] = {}  # receiving request -> its tokens computed here (prefix hits)
-        self.ready: list[Request] = []  # received (or failed): back to the waiting queue at the next schedule
+        self.ready = FCFSRequestQueue()  # received (or failed), holding their blocks: admitted before the waiting
         self.sending: dict[str, Request] = {}  # finished, blocks held until sent
         self.sent_early: set[str] = set()  # reported sent before the request finished
         self.aborted: dict[str, Request] = {}  # aborted while receiving, blocks held until the load ends
@@ -55,20 +56,17 @@ class KVTransferTracker:
         self.connector.update_state_after_alloc(
             request, self.kv_cache_manager.get_block_ids(request.request_id), num_external_tokens)
 
-    def take_ready(self) -> list[Request]:
-        ready, self.ready = self.ready, []
-        return ready
-
     def discard(self, request: Request) -> bool:
         """A request finished (aborted) while the tracker holds it: True if it did."""
         if self.receiving.pop(request.request_id, None) is not None:
             del self.num_local_tokens[request.request_id]
             self.aborted[request.request_id] = request
             return True
-        if request in self.ready:
+        try:
             self.ready.remove(request)
-            return True
-        return False
+        except ValueError:  # not there
+            return False
+        return True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """The connector's say on a finished request: (keep its blocks for now, kv_transfer_params for the caller)."""
@@ -115,4 +113,4 @@ class KVTransferTracker:
         request.status = RequestStatus.WAITING
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = request.num_computed_tokens
-        self.ready.append(request)
+        self.ready.add(request)

@@ -114,9 +114,6 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         any_preempted = False
-        if self.kv_transfers is not None:
-            for request in self.kv_transfers.take_ready():  # their KV arrived (or failed): admit like the others
-                self.waiting.add_preempted(request)
 
         running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
         req_index = 0
@@ -148,8 +145,14 @@ class Scheduler:
             req_index += 1
 
         # Admitting while preempting would only thrash the pool.
-        while not any_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
+        while not any_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            # Requests whose external KV arrived (or failed) come first: behind a request that cannot fit while they
+            # hold their blocks, they would wait for good.
+            queue = self.kv_transfers.ready if self.kv_transfers is not None and self.kv_transfers.ready else (
+                self.waiting)
+            if not queue:
+                break
+            request = queue.peek()
             if request.request_id in self.kv_cache_manager.req_to_blocks:  # its external KV arrived into them
                 computed_blocks, num_computed_tokens = [], request.num_computed_tokens
             else:
@@ -159,7 +162,7 @@ class Scheduler:
                     if self.kv_cache_manager.allocate_slots(request, num_external, num_computed_tokens,
                                                             computed_blocks, delay_cache_blocks=True) is None:
                         break
-                    self.waiting.pop()  # it waits for its KV outside the queue: the requests behind it go on
+                    queue.pop()  # it waits for its KV outside the queue: the requests behind it go on
                     self.kv_transfers.start_receiving(request, num_computed_tokens, num_external)
                     continue
             num_new_tokens = request.num_tokens - num_computed_tokens
@@ -171,7 +174,7 @@ class Scheduler:
             num_hit_tokens = len(computed_blocks) * self.kv_cache_manager.block_size
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_hit_tokens, computed_blocks) is None:
                 break
-            self.waiting.pop()
+            queue.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:
