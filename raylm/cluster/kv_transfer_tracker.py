@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from raylm.cluster.block_pool import KVCacheBlock
 from raylm.cluster.kv_cache_manager import KVCacheManager
 from raylm.cluster.request import Request, RequestStatus
-from raylm.cluster.request_queue import FCFSRequestQueue
+from raylm.cluster.request_queue import FCFSRequestQueue, RequestQueue
 from raylm.common.kv_transfer import KVConnectorOutput
 from raylm.runner.kv_transfer import KVConnectorBase
 
@@ -37,14 +38,29 @@ class KVTransferTracker:
     def has_pending(self) -> bool:
         return bool(self.receiving or self.ready or self.sending or self.aborted)
 
-    def num_external_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def admission_queue(self, waiting: RequestQueue) -> RequestQueue:
+        """Requests whose external KV arrived (or failed) are admitted first: they hold their blocks, so behind a
+        request that cannot fit while they do, they would wait for good."""
+        return self.ready if self.ready else waiting
+
+    def try_receive(self, request: Request, computed_blocks: list[KVCacheBlock], num_computed_tokens: int
+                    ) -> bool | None:
+        """A request being admitted with num_computed_tokens found locally: True if the connector offers more and it
+        now waits for them (its blocks allocated), None if there is no room for those blocks yet, False if the
+        connector offers nothing."""
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_computed_tokens)
-        if num_external and not load_async:
+        if not num_external:
+            return False
+        if not load_async:
             raise RuntimeError(f"{type(self.connector).__name__} offers {num_external} tokens of KV to load "
                                f"synchronously; raylm's scheduler loads external KV asynchronously only")
-        return num_external
+        if self.kv_cache_manager.allocate_slots(request, num_external, num_computed_tokens, computed_blocks,
+                                                delay_cache_blocks=True) is None:
+            return None
+        self._start_receiving(request, num_computed_tokens, num_external)
+        return True
 
-    def start_receiving(self, request: Request, num_computed_tokens: int, num_external_tokens: int) -> None:
+    def _start_receiving(self, request: Request, num_computed_tokens: int, num_external_tokens: int) -> None:
         """Its blocks for the local and the external tokens are allocated; it waits for the external ones."""
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = num_computed_tokens + num_external_tokens

@@ -146,10 +146,7 @@ class Scheduler:
 
         # Admitting while preempting would only thrash the pool.
         while not any_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            # Requests whose external KV arrived (or failed) come first: behind a request that cannot fit while they
-            # hold their blocks, they would wait for good.
-            queue = self.kv_transfers.ready if self.kv_transfers is not None and self.kv_transfers.ready else (
-                self.waiting)
+            queue = self.waiting if self.kv_transfers is None else self.kv_transfers.admission_queue(self.waiting)
             if not queue:
                 break
             request = queue.peek()
@@ -157,13 +154,11 @@ class Scheduler:
                 computed_blocks, num_computed_tokens = [], request.num_computed_tokens
             else:
                 computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                if self.kv_transfers is not None and (
-                        num_external := self.kv_transfers.num_external_tokens(request, num_computed_tokens)):
-                    if self.kv_cache_manager.allocate_slots(request, num_external, num_computed_tokens,
-                                                            computed_blocks, delay_cache_blocks=True) is None:
-                        break
+                if self.kv_transfers is not None and (receiving := self.kv_transfers.try_receive(
+                        request, computed_blocks, num_computed_tokens)) is not False:
+                    if receiving is None:
+                        break  # no room for the blocks its KV goes into
                     queue.pop()  # it waits for its KV outside the queue: the requests behind it go on
-                    self.kv_transfers.start_receiving(request, num_computed_tokens, num_external)
                     continue
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > budget:
