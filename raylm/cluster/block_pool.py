@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
@@ -89,6 +89,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # Told (block id, hash) of each cached block handed out again, before its KV is overwritten (KV offloading).
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -109,6 +111,8 @@ class BlockPool:
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
                 del self.cached_block_hash_to_block[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1

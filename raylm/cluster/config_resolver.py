@@ -15,6 +15,7 @@ from raylm.cluster.default_model import resolve_model
 from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.engine_config import ResolvedConfig, SpeculativeConfig
+from raylm.configs.kv_transfer import KVTransferConfig
 from raylm.configs.model_info import ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
@@ -53,7 +54,10 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     dp_lockstep = model_info.is_moe and parallel.enable_expert_parallel and parallel.data_parallel_size > 1
     _check_expert_parallel(model_info, parallel, dp_lockstep)
 
+    kv_transfer = _resolve_kv_transfer(config)
     device = decide_device(model_config, parallel)
+    if kv_transfer.kv_connector is not None:  # the connectors' stores and transfers are Ray actors and objects
+        initialize_ray_cluster(_num_ray_bundles(parallel))
     dtype = resolve_dtype(model_config, model_info, device)
     executor_backend = _executor_backend(parallel, device)
     scheduler = config.scheduler_config
@@ -80,15 +84,19 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         compilation_config=compilation.model_copy(update={
             "cudagraph_mode": resolve_cudagraph_mode(compilation, device)}),
         speculative_config=speculative,
+        kv_transfer_config=kv_transfer,
+        routing_config=config.routing_config.model_copy(update={"routing_policy": resolve_routing_policy(config)}),
         resolved=ResolvedConfig(model_info, _num_ray_bundles(parallel), dp_lockstep,
                                 max_concurrent_batches, draft_model_info),
     )
     show_info(logger)
     logger.info("engine config: model %s (%s), device %s, dtype %s, attention %s, executor %s%s, cudagraph_mode %s, "
-                "max_model_len %d, %d step(s) in flight", model_config.served_model_name, model_info.architecture,
+                "max_model_len %d, %d step(s) in flight%s", model_config.served_model_name, model_info.architecture,
                 device, dtype, attention_backend, executor_backend,
                 ", lock-step DP" if dp_lockstep else "", resolved.compilation_config.cudagraph_mode,
-                max_model_len, max_concurrent_batches)
+                max_model_len, max_concurrent_batches,
+                "" if kv_transfer.kv_connector is None else
+                f", KV connector {kv_transfer.kv_connector} ({kv_transfer.kv_role})")
     if speculative is not None:
         logger.info("speculative decoding: %s", speculative.model_dump(exclude_none=True))
     return resolved
@@ -185,3 +193,40 @@ def _resolve_speculative(config: EngineConfig, model_info: ModelInfo, max_model_
         raise ValueError(f"speculative_config.model: the draft's {num_heads} attention heads cannot be split over "
                          f"tensor_parallel_size {tp}")
     return spec.model_copy(update={"draft_tensor_parallel_size": tp}), draft
+
+
+def resolve_routing_policy(config: EngineConfig) -> str:
+    """"load" or "prefix" (over DP engines and Serve replicas); auto: prefix where prefix caching is on."""
+    policy = config.routing_config.routing_policy
+    caching = config.cache_config.enable_prefix_caching
+    if policy == "auto":
+        return "prefix" if caching else "load"
+    if policy == "prefix" and not caching:
+        raise ValueError("routing_policy 'prefix' routes to the engine holding a prompt's cached prefix: it needs "
+                         "enable_prefix_caching")
+    return policy
+
+
+def _resolve_kv_transfer(config: EngineConfig) -> KVTransferConfig:
+    """kv_offloading_size alone turns the OffloadingConnector on (as in vLLM); a connector runs on engines of one
+    device each (data parallel is fine) and not with micro-batched forwards."""
+    kv = config.kv_transfer_config
+    if kv.kv_connector is None and kv.kv_offloading_size is not None:
+        kv = kv.model_copy(update={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"})
+    if kv.kv_connector is None:
+        return kv
+    parallel = config.parallel_config
+    if parallel.world_size != 1:
+        raise ValueError(f"kv_connector {kv.kv_connector}: raylm's KV connectors run on engines of one device "
+                         f"(tensor_parallel_size x pipeline_parallel_size is {parallel.world_size}); use "
+                         f"data_parallel_size for more engines")
+    if parallel.enable_dbo:
+        raise ValueError(f"kv_connector {kv.kv_connector}: not with enable_dbo (a layer's KV is saved once per "
+                         f"forward, not per micro-batch)")
+    if kv.kv_connector == "OffloadingConnector":
+        if kv.kv_offloading_size is None:
+            raise ValueError("kv_offloading_size: the OffloadingConnector needs the host memory to use (GiB)")
+        if not config.cache_config.enable_prefix_caching:
+            raise ValueError("kv_connector OffloadingConnector keeps evicted prefix-cache blocks: it needs "
+                             "enable_prefix_caching")
+    return kv

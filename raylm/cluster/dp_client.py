@@ -1,11 +1,12 @@
 """DPEngineCoreClient: `data_parallel_size` engines, each a Ray actor, behind the calls of a single EngineCore.
 
-Each engine gets a placement group of its own (its bundle and its workers'). A new request goes to the engine with
-the lowest `4 * waiting + running` (DPLoadBalancer); its outputs come back over that engine's connection, and an abort
-goes to the engine that holds the request. Engines of a dense model (or of a MoE model without expert parallel) are
-independent, each in its own torch.distributed world. MoE engines with expert parallel share one world (global rank =
-dp * PP * TP + pp * TP + tp) and step in lock-step (see cluster/engine_core_actor.py); the client relays the start of
-each wave.
+Each engine gets a placement group of its own (its bundle and its workers'). A new request goes to the engine with the
+lowest `4 * waiting + running` (DPLoadBalancer), or, under routing_policy "prefix", to the engine likeliest to hold
+its prompt's prefix while the loads are close (PrefixAwareLoadBalancer); its outputs come back over that engine's
+connection, and an abort goes to the engine that holds the request. Engines of a dense model (or of a MoE model
+without expert parallel) are independent, each in its own torch.distributed world. MoE engines with expert parallel
+share one world (global rank = dp * PP * TP + pp * TP + tp) and step in lock-step (see cluster/engine_core_actor.py);
+the client relays the start of each wave.
 
 A dead engine fails its own requests with an error naming it (DPEngineDiedError from step) within about a second;
 independent engines keep serving the rest, while lock-step engines cannot go on without it.
@@ -25,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raylm.cluster.dp_load_balancer import DPLoadBalancer
 from raylm.cluster.engine_core_actor import EngineCoreActor, EngineCoreOutputs
 from raylm.cluster.outputs import DPEngineDiedError, EngineCoreOutput
+from raylm.cluster.prefix_router import make_dp_balancer
 from raylm.cluster.request import Request
 from raylm.cluster.stats import SchedulerStats
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
@@ -94,8 +96,12 @@ class DPEngineCoreClient:
             cores = ray.get([actor.num_cores.remote() for actor in self.actors])
             threads = [max(1, cores[rank] // node_ids.count(node_ids[rank])) for rank in range(self.num_engines)]
         config_ref = ray.put(self.config)
-        get_all([actor.init_engine.remote(config_ref, data_parallel[rank], threads[rank])
-                  for rank, actor in enumerate(self.actors)])
+        init_refs = [actor.init_engine.remote(config_ref, data_parallel[rank], threads[rank])
+                     for rank, actor in enumerate(self.actors)]
+        get_all(init_refs)
+        num_blocks = ray.get(init_refs)
+        # By load, or by cached prefix within a load threshold (routing_policy); the engines' pools bound the latter.
+        self.balancer = make_dp_balancer(self.config.routing_config, num_blocks, self.config.cache_config.block_size)
 
         this_node = ray.get_runtime_context().get_node_id()
         channel = DriverChannel(_LOCALHOST if set(node_ids) == {this_node} else node_ips[this_node],
@@ -109,7 +115,7 @@ class DPEngineCoreClient:
     def add_request(self, request: Request) -> int:
         """Queue a request on the least loaded engine (sent with the next step); returns that engine's index."""
         self._raise_if_fatal()
-        index = self.balancer.choose()
+        index = self.balancer.choose(request.prompt_token_ids)
         self._outbox[index].append(("add", request))
         self.request_engine[request.request_id] = index
         return index

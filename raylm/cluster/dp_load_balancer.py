@@ -28,8 +28,9 @@ class DPLoadBalancer:
         assert num_engines >= 1
         self.engines = [_EngineLoad() for _ in range(num_engines)]
 
-    def choose(self) -> int:
-        """The live engine with the lowest score; counts the request as sent to it."""
+    def choose(self, prompt_token_ids: list[int] | None = None) -> int:
+        """The live engine with the lowest score; counts the request as sent to it. (The prompt is for the
+        prefix-aware subclass, raylm/cluster/prefix_router.py; load alone decides here.)"""
         live = [i for i, load in enumerate(self.engines) if load.alive]
         if not live:
             raise RuntimeError("no data-parallel engine is alive")

@@ -20,6 +20,7 @@ from raylm.common.outputs import ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
 from raylm.executor import Executor
+from raylm.runner.kv_transfer import KVConnectorFactory, KVConnectorRole
 from raylm.runner.sleep_mode import SLEEP_TAGS
 
 # A step in flight: its SchedulerOutput and the futures of execute_model and sample_tokens.
@@ -48,11 +49,16 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        # The scheduler side of a KV connector learns what it must of the workers' sides (vLLM's handshake).
+        self.kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
+        if self.kv_connector is not None:
+            self.kv_connector.set_xfer_handshake_metadata(
+                self.executor.collective_rpc("get_kv_connector_handshake_metadata"))
         # Stage 0 of a pipeline learns a request's sampled token only from the next SchedulerOutput.
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, config.model_config.max_model_len, self.num_blocks,
             config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1,
-            speculative_config=config.speculative_config)
+            speculative_config=config.speculative_config, kv_connector=self.kv_connector)
         self.num_generation_tokens = 0  # since start, for stats
         depth = config.resolved.max_concurrent_batches
         self.sleeping_tags: set[str] = set()  # what sleep freed and wake_up has not restored yet
@@ -92,8 +98,9 @@ class EngineCore:
         assert queue is not None
         if len(queue) < queue.maxlen and self.scheduler.has_unfinished_requests():
             scheduler_output = self._schedule()
-            # A step with no tokens still tells the workers which requests finished.
-            if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids:
+            # A step with no tokens still tells the workers which requests finished, and lets KV transfers finish.
+            if (scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids
+                    or scheduler_output.kv_connector_metadata is not None):
                 with tracing.span("dispatch"):
                     execute_future = self._execute_model(scheduler_output)
                     queue.append((scheduler_output, execute_future, self.executor.sample_tokens()))

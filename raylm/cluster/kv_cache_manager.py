@@ -68,11 +68,13 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones (plus, on admission, the
         prefix hits `new_computed_blocks` covering `num_new_computed_tokens`), and `num_lookahead_tokens` slots past
         them (a draft model's drafts). Returns the ids of the freshly allocated blocks (maybe none), or None, changing
-        nothing, when the pool is too small."""
+        nothing, when the pool is too small. `delay_cache_blocks`: the new blocks' KV arrives from elsewhere later;
+        they enter the prefix cache on the request's next allocation, not before their KV is there."""
         new_computed_blocks = new_computed_blocks or []
         assert num_new_tokens > 0 and num_new_computed_tokens == len(new_computed_blocks) * self.block_size
         req_blocks = self.req_to_blocks.get(request.request_id)
@@ -105,7 +107,7 @@ class KVCacheManager:
             req_blocks.extend(new_blocks)
             new_block_ids = [block.block_id for block in new_blocks]
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             # Only known token ids can be hashed: under async scheduling the scheduled tokens may run
             # ahead of the sampled ones.
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens) // self.block_size)

@@ -6,7 +6,7 @@ parent RequestOutput holding one CompletionOutput per child, ordered by index.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from raylm.cluster.detokenizer import IncrementalDetokenizer
 from raylm.cluster.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
@@ -44,6 +44,7 @@ class ParentRequest:
     num_cached_tokens: int = 0
     # Set when they arrive (from one child); under "delta" cleared once sent.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the engine's KV connector as the request finished
 
     @property
     def finished(self) -> bool:
@@ -173,6 +174,7 @@ class OutputProcessor:
                     finished=parent.finished,
                     num_cached_tokens=parent.num_cached_tokens,
                     prompt_logprobs=prompt_logprobs,
+                    kv_transfer_params=parent.kv_transfer_params,
                 )
             )
         return processed
@@ -204,6 +206,8 @@ class OutputProcessor:
         parent = state.parent
         if engine_core_output.num_cached_tokens > parent.num_cached_tokens:
             parent.num_cached_tokens = engine_core_output.num_cached_tokens
+        if engine_core_output.kv_transfer_params is not None:
+            parent.kv_transfer_params = engine_core_output.kv_transfer_params
 
         finished = finish_reason is not None
         if not finished and parent.output_kind == "final":

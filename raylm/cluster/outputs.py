@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from raylm.common.outputs import LogprobsLists
 
@@ -39,6 +40,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # The whole prompt's, with the first output token: one position per prompt token after the first.
     new_prompt_logprobs: LogprobsLists | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, when the request finishes
 
 
 @dataclass
@@ -66,3 +68,5 @@ class RequestOutput:
     # None for the first prompt token (nothing precedes it), then {token id: logprob} per prompt token: the actual
     # token and the top-n.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # What the engine's KV connector says of the finished request (a prefill's: where its KV is to be taken from).
+    kv_transfer_params: dict[str, Any] | None = None

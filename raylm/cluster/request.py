@@ -10,6 +10,7 @@ from raylm.common.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, its KV arriving through a KV connector
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Every status after PREEMPTED is a finished one.

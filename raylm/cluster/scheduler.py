@@ -9,8 +9,10 @@ must be unique over the engine's lifetime (outputs of removed requests are recog
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from raylm.cluster.kv_cache_manager import KVCacheManager
+from raylm.cluster.kv_transfer_tracker import KVTransferTracker
 from raylm.cluster.outputs import EngineCoreOutput
 from raylm.cluster.request import Request, RequestStatus
 from raylm.cluster.request_queue import create_request_queue, preemption_victim
@@ -18,6 +20,7 @@ from raylm.cluster.spec_decode import DraftScheduling
 from raylm.cluster.stop_checker import check_stop
 from raylm.common.outputs import CachedRequestData, LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from raylm.runner.kv_transfer import KVConnectorBase
 
 
 class Scheduler:
@@ -30,6 +33,7 @@ class Scheduler:
         block_size: int,
         send_token_ids: bool = False,
         speculative_config: SpeculativeConfig | None = None,
+        kv_connector: KVConnectorBase | None = None,
     ) -> None:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -49,6 +53,10 @@ class Scheduler:
                        DraftScheduling(speculative_config, self.async_scheduling, max_model_len))
 
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
+        # The scheduler side of a KV connector: external KV for requests, held blocks (see kv_transfer_tracker.py).
+        self.kv_transfers = None if kv_connector is None else KVTransferTracker(kv_connector, self.kv_cache_manager)
+        if kv_connector is not None:
+            self.kv_cache_manager.block_pool.on_evict = kv_connector.on_block_evicted
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -87,7 +95,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 any_running = True
-            else:
+            elif self.kv_transfers is None or not self.kv_transfers.discard(request):
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
@@ -95,7 +103,8 @@ class Scheduler:
             self.running = [request for request in self.running if not request.is_finished]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests, or KV transfers that need more steps to finish."""
+        return bool(self.requests) or (self.kv_transfers is not None and self.kv_transfers.has_pending())
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -146,25 +155,41 @@ class Scheduler:
             req_index += 1
 
         # Admitting while preempting would only thrash the pool.
-        while not any_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
-            computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        while not any_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            queue = self.waiting if self.kv_transfers is None else self.kv_transfers.admission_queue(self.waiting)
+            if not queue:
+                break
+            request = queue.peek()
+            if request.request_id in self.kv_cache_manager.req_to_blocks:  # its external KV arrived into them
+                computed_blocks, num_computed_tokens = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                if self.kv_transfers is not None and (receiving := self.kv_transfers.try_receive(
+                        request, computed_blocks, num_computed_tokens)) is not False:
+                    if receiving is None:
+                        break  # no room for the blocks its KV goes into
+                    queue.pop()  # it waits for its KV outside the queue: the requests behind it go on
+                    continue
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > budget:
                 if not self.enable_chunked_prefill:
                     break  # waits for a step with room, keeping the queue order
                 num_new_tokens = budget
             lookahead = self.drafts.lookahead(request, num_computed_tokens + num_new_tokens) if self.drafts else 0
+            # An arrived request's computed tokens are in blocks it holds already: no prefix hits to take.
+            num_hit_tokens = len(computed_blocks) * self.kv_cache_manager.block_size
             if self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_computed_tokens, computed_blocks, lookahead) is None:
+                    request, num_new_tokens, num_hit_tokens, computed_blocks, lookahead) is None:
                 break
-            self.waiting.pop()
+            queue.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed_tokens
             self.running.append(request)
             scheduled_new.append(request)
+            if self.kv_transfers is not None:
+                self.kv_transfers.after_alloc(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             budget -= num_new_tokens
 
@@ -181,6 +206,8 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
+        if self.kv_transfers is not None:
+            output.kv_connector_metadata = self.kv_transfers.connector.build_connector_meta(output)
         for request in scheduled_running + scheduled_new:
             req_id = request.request_id
             self._advance(request, num_scheduled_tokens[req_id], len(spec_tokens.get(req_id, ())))
@@ -227,17 +254,20 @@ class Scheduler:
             logprobs = model_runner_output.logprobs.get(req_id)
             if logprobs is not None and num_new_tokens < len(sampled):
                 logprobs = _slice_logprobs(logprobs, num_new_tokens)
+            kv_transfer_params = None
             if finished:
                 finished_requests.add(request)
-                self._free_request(request)
+                kv_transfer_params = self._free_request(request)
             elif model_runner_output.spec_token_ids:
                 request.spec_token_ids = model_runner_output.spec_token_ids[row]
             outputs.append(EngineCoreOutput(
                 req_id, sampled[:num_new_tokens], request.get_finished_reason() if finished else None,
                 request.stop_reason, logprobs, max(request.num_cached_tokens, 0),
-                model_runner_output.prompt_logprobs.get(req_id)))
+                model_runner_output.prompt_logprobs.get(req_id), kv_transfer_params))
         if finished_requests:
             self.running = [request for request in self.running if request not in finished_requests]
+        if self.kv_transfers is not None and model_runner_output.kv_connector_output is not None:
+            self.kv_transfers.update(model_runner_output.kv_connector_output)
         return outputs
 
     # ---- metrics and cache control ----------------------------------------------------------
@@ -308,12 +338,17 @@ class Scheduler:
             req_ids, [new_block_ids[req_id] for req_id in req_ids], [req.num_computed_tokens for req in requests],
             [req.all_token_ids[req.num_sent_tokens:] if self.send_token_ids else [] for req in requests])
 
-    def _free_request(self, request: Request) -> None:
-        """A finished request leaves the engine core: blocks back to the pool, the runner told."""
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """A finished request leaves the engine core: blocks back to the pool (unless a KV connector still sends
+        from them), the runner told. Returns the connector's kv_transfer_params for the caller."""
         assert request.is_finished
-        self.kv_cache_manager.free(request)
+        delay_free, kv_transfer_params = (False, None) if self.kv_transfers is None else (
+            self.kv_transfers.request_finished(request))
+        if not delay_free:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        return kv_transfer_params
 
 
 def _slice_logprobs(logprobs: LogprobsLists, num_positions: int) -> LogprobsLists:

@@ -2,9 +2,12 @@
 
 One LLMServer replica holds one engine and serves the same FastAPI app as `raylm serve --no-ray` over it
 (`@serve.ingress`, as Ray Serve LLM does): HTTP goes from Serve's proxy straight to a replica, with no second
-deployment hop per request or per streamed chunk. With tensor or pipeline parallel > 1, Serve creates the replica
-in a placement group of the engine's bundles (the replica takes the engine's bundle, its Ray executor's workers the
-rest), checked against the cluster when the app is built. Replicas autoscale on ongoing requests.
+deployment hop per request or per streamed chunk. Replicas routed by prefix (routing_policy "prefix", the default
+with prefix caching, and max_replicas > 1) sit behind an OpenAI ingress instead, whose handle's request router sees
+the prompts (serve_ingress.py); serve_pd.py builds the disaggregated prefill/decode app. With tensor or pipeline
+parallel > 1, Serve creates the replica in a placement group of the engine's bundles (the replica takes the engine's
+bundle, its Ray executor's workers the rest), checked against the cluster when the app is built. Replicas autoscale
+on ongoing requests.
 
 Serve's proxy relays every SSE event of every stream, so how it talks to the replica sets the token rate: start Serve
 with `start_serve` (or a Serve config's `controller_options`) to give the proxy SERVE_ENV_VARS.
@@ -19,12 +22,15 @@ from fastapi import FastAPI
 from ray import serve
 
 from raylm.cluster.async_llm import AsyncLLM
-from raylm.cluster.config_resolver import decide_device
+from raylm.cluster.config_resolver import decide_device, resolve_routing_policy
 from raylm.cluster.default_model import served_model_name
 from raylm.cluster.openai.api_server import build_app as build_fastapi_app
 from raylm.cluster.openai.metrics import PrometheusStatLogger
 from raylm.cluster.openai.router import EngineModelRouter
 from raylm.cluster.ray_metrics import RayPrometheusStatLogger
+from raylm.cluster.serve_handles import LLMServerHandles
+from raylm.cluster.serve_ingress import OpenAIIngress, ingress_options
+from raylm.cluster.serve_router import prefix_router_config
 from raylm.configs import EngineConfig, make_engine_config
 from raylm.executor.cluster_resources import ClusterCapacity, check_fits
 from raylm.executor.placement import describe_engine, engine_bundles
@@ -42,10 +48,9 @@ REPLICA_ENV_VARS = {"RAY_worker_niceness": "0"}
 SERVE_ENV_VARS = REPLICA_ENV_VARS | {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
-@serve.ingress()
-class LLMServer:
-    """One replica, one engine, the OpenAI app over it. /metrics answers from the replica that gets the request,
-    its series labelled with that replica's id; the same series go to Ray's metrics from every replica."""
+class LLMEngineServer(LLMServerHandles):
+    """One replica, one engine, served through its handle methods (serve_handles.py) to an ingress in front: the
+    OpenAI ingress of replicas routed by prefix, the PD proxy. Serve allows one HTTP ingress per application."""
 
     async def __init__(self, config: EngineConfig) -> None:
         replica = serve.get_replica_context().replica_id.unique_id
@@ -56,14 +61,20 @@ class LLMServer:
         await self.engine.wait_until_ready()
         self.api_key = config.serving_config.api_key
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_fastapi_app(EngineModelRouter(self.engine), self.api_key, self.metrics)
-
     async def check_health(self) -> None:
         await self.engine.check_health()
 
     def __del__(self) -> None:
         self.engine.shutdown()
+
+
+@serve.ingress()
+class LLMServer(LLMEngineServer):
+    """One replica, one engine, the OpenAI app over it. /metrics answers from the replica that gets the request,
+    its series labelled with that replica's id; the same series go to Ray's metrics from every replica."""
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_fastapi_app(EngineModelRouter(self.engine), self.api_key, self.metrics)
 
 
 def start_serve(host: str, port: int) -> None:
@@ -81,10 +92,19 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 
 def build_openai_app(config: EngineConfig) -> serve.Application:
+    """LLMServer replicas answering HTTP themselves; or, where replicas are routed by prefix (routing_policy, more
+    than one replica), behind an OpenAI ingress whose handle routes each request (serve_ingress.py)."""
     model_id = served_model_name(config.model_config)
     config = dataclasses.replace(config, model_config=config.model_config.model_copy(
         update={"served_model_name": model_id}))
-    return serve.deployment(LLMServer).options(name=f"LLMServer:{model_id}", **llm_server_options(config)).bind(config)
+    name, options, serving = f"LLMServer:{model_id}", llm_server_options(config), config.serving_config
+    if serving.max_replicas == 1 or resolve_routing_policy(config) == "load":
+        return serve.deployment(LLMServer).options(name=name, **options).bind(config)
+    routed = serve.deployment(LLMEngineServer).options(
+        name=name, request_router_config=prefix_router_config(config.routing_config), **options).bind(config)
+    return serve.deployment(OpenAIIngress).options(
+        **ingress_options(f"OpenAIIngress:{model_id}", serving.min_replicas, serving.max_replicas)
+    ).bind(routed, serving.api_key)
 
 
 def llm_server_options(config: EngineConfig) -> dict[str, Any]:

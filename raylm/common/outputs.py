@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raylm.common.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from raylm.common.sampling_params import SamplingParams
 
 # A draft token of `SchedulerOutput.scheduled_spec_decode_tokens` that the runner fills in with its own proposal.
@@ -51,6 +52,7 @@ class SchedulerOutput:
     # after the request's one regular token). DRAFT_PLACEHOLDER: the runner fills in its own latest proposal (async
     # scheduling plans a step before the previous step's proposals are back).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector_metadata: KVConnectorMetadata | None = None  # with a kv_connector: this step's transfers
 
     @classmethod
     def empty(cls) -> SchedulerOutput:
@@ -78,6 +80,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Speculative decoding: the draft tokens proposed for each request's next step, in req_ids order; empty when off.
     spec_token_ids: list[list[int]] = field(default_factory=list)
+    kv_connector_output: KVConnectorOutput | None = None  # with a kv_connector: transfers finished or failed
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -27,6 +28,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs of each sampled token (the token itself always)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's pass-through for extensions; "kv_transfer_params" there reaches the engine's KV connector.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

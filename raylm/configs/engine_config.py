@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from raylm.configs.kv_transfer import KVTransferConfig, RoutingConfig
+
 if TYPE_CHECKING:
     from raylm.configs.model_info import ModelInfo
 
@@ -124,7 +126,7 @@ class SpeculativeConfig(_Section):
         None, ge=1, description="draft_model: its TP size; it runs on the target's workers, so the target's")
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[BaseModel]] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
     "parallel_config": ParallelConfig,
@@ -132,6 +134,8 @@ SECTIONS: dict[str, type[_Section]] = {
     "compilation_config": CompilationConfig,
     "serving_config": ServingConfig,
     "observability_config": ObservabilityConfig,
+    "kv_transfer_config": KVTransferConfig,
+    "routing_config": RoutingConfig,
 }
 
 
@@ -162,6 +166,8 @@ class EngineConfig:
     serving_config: ServingConfig = field(default_factory=ServingConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
+    routing_config: RoutingConfig = field(default_factory=RoutingConfig)
     resolved: ResolvedConfig | None = None
 
     @property

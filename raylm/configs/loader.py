@@ -39,6 +39,12 @@ def make_engine_config(config_file: str | Path | None = None, **overrides: Any) 
     """Settings from `config_file` (flat YAML keys), then `overrides` on top; None values are unset."""
     settings = load_yaml(config_file) if config_file else {}
     settings.update({k: v for k, v in overrides.items() if v is not None})
+    # vLLM's nested form: kv_transfer_config={"kv_connector": ..., "kv_role": ...}.
+    nested = settings.pop("kv_transfer_config", None)
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise ValueError(f"kv_transfer_config: expected a mapping of settings, got {nested!r}")
+        settings.update(nested)
     unknown = sorted(set(settings) - set(FIELD_SECTION) - set(NESTED_SECTIONS))
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown}; known settings: {sorted([*FIELD_SECTION, *NESTED_SECTIONS])}")

@@ -18,6 +18,7 @@ class ForwardContext:
     num_tokens: int  # tokens the forward (or this micro-batch of it) runs on, padding included
     # None outside the ModelRunner (model tests). The whole forward's plan, shared by its micro-batches.
     batch_descriptor: BatchDescriptor | None = None
+    kv_connector: Any = None  # the worker-side KV connector the attention layers call, if the engine has one
 
 
 class _Current(threading.local):
@@ -28,12 +29,12 @@ _current = _Current()
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any, num_tokens: int,
-                        batch_descriptor: BatchDescriptor | None = None) -> Iterator[ForwardContext]:
+def set_forward_context(attn_metadata: Any, num_tokens: int, batch_descriptor: BatchDescriptor | None = None,
+                        kv_connector: Any = None) -> Iterator[ForwardContext]:
     assert _current.context is None, "nested set_forward_context: a forward is already running"
     assert (batch_descriptor is None or batch_descriptor.num_tokens_padded == num_tokens
             or batch_descriptor.should_ubatch), "a forward context covers the whole padded batch or one micro-batch"
-    _current.context = context = ForwardContext(attn_metadata, num_tokens, batch_descriptor)
+    _current.context = context = ForwardContext(attn_metadata, num_tokens, batch_descriptor, kv_connector)
     try:
         yield context
     finally:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from raylm.common import tracing
+from raylm.common.kv_transfer import KVConnectorOutput
 from raylm.common.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.configs import EngineConfig
 from raylm.runner import cpu_kernels
@@ -32,6 +33,12 @@ from raylm.runner.forward_log import ForwardLog
 from raylm.runner.host_sync import to_host
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.input_buffers import InputBuffers
+from raylm.runner.kv_transfer.base import KVConnectorBase
+from raylm.runner.kv_transfer.model_runner_hooks import (
+    create_worker_connector,
+    kv_connector_no_forward,
+    kv_connector_step,
+)
 from raylm.runner.layers.attention import Attention
 from raylm.runner.models.loader import load_model, reload_weights
 from raylm.runner.parallel_state import get_dp_group, get_pp_group
@@ -57,6 +64,7 @@ class ExecuteModelState:
     sampling_rows: np.ndarray  # InputBatch rows that sample, in logits order
     spec_decode_metadata: SpecDecodeMetadata | None = None  # the drafts' logits rows, when any request has drafts
     hidden_states: torch.Tensor | None = None  # the forward's output (speculative decoding's proposer may read it)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class ModelRunner:
@@ -93,6 +101,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.sleep_mode: SleepMode | None = None  # once the KV cache exists
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_connector: KVConnectorBase | None = None  # the worker side of a kv_connector, once the cache exists
         self.execute_model_state: ExecuteModelState | None = None
         self.spec_decoder = (None if config.speculative_config is None else
                              SpecDecoder(config, self.attn_backend, self.dtype, device))
@@ -143,6 +152,8 @@ class ModelRunner:
                                                          layer.head_size)
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
+        self.kv_connector = create_worker_connector(
+            self.config, {layer.layer_idx: layer.kv_cache for layer in self.attention_layers()})
         self.sleep_mode = SleepMode(self.model, self.kv_caches,
                                     lambda: reload_weights(self.model, self.model_info.path))
 
@@ -160,7 +171,10 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             if self.planner is not None and self.planner.coordinates:
                 self.execute_dummy_batch()  # the other DP ranks' forwards wait for this one in their collectives
-            return ModelRunnerOutput.empty()
+            empty = ModelRunnerOutput.empty()
+            if self.kv_connector is not None:
+                empty.kv_connector_output = kv_connector_no_forward(self.kv_connector, scheduler_output)
+            return empty
         assert self.model is not None and self.kv_caches, "load_model and initialize_kv_cache come first"
         pp = get_pp_group()
         assert pp.is_first_rank or intermediate_tensors is not None, "a later pipeline stage needs the tensors sent"
@@ -169,8 +183,9 @@ class ModelRunner:
             drafts = (None if self.spec_decoder is None
                       else self.spec_decoder.prepare_drafts(scheduler_output, self.input_batch))
             inputs = self.buffers.prepare(scheduler_output, self.input_batch, drafts)
-        output = self._run_forward(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode, inputs.common,
-                                   intermediate_tensors)
+        with kv_connector_step(self.kv_connector, scheduler_output) as kv_connector_output:
+            output = self._run_forward(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode, inputs.common,
+                                       intermediate_tensors)
         if not pp.is_last_rank:
             return output
         assert isinstance(output, torch.Tensor)
@@ -180,7 +195,7 @@ class ModelRunner:
             self.prompt_logprobs.compute(output, self.input_batch, self.buffers.query_start_loc.np,
                                          self.model.compute_logits)
         self.execute_model_state = ExecuteModelState(scheduler_output, logits, inputs.sampling_rows,
-                                                     inputs.spec_decode_metadata, output)
+                                                     inputs.spec_decode_metadata, output, kv_connector_output)
         return None
 
     @torch.inference_mode()
@@ -195,7 +210,8 @@ class ModelRunner:
                 spec = self.spec_decoder.sample(state.logits, state.spec_decode_metadata, rows, batch,
                                                 self.sampling_metadata.build(batch, rows), state.hidden_states)
             return ModelRunnerOutput(list(batch.req_ids[: batch.num_reqs]), spec.sampled_token_ids, spec.logprobs,
-                                     self.prompt_logprobs.pop_completed(), spec.spec_token_ids)
+                                     self.prompt_logprobs.pop_completed(), spec.spec_token_ids,
+                                     kv_connector_output=state.kv_connector_output)
         with tracing.span("sample"):
             sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
             sampled = to_host(sampler_output.sampled_token_ids)[0].tolist()  # the step's one host wait
@@ -209,7 +225,8 @@ class ModelRunner:
             for row, token in zip(rows.tolist(), sampled):
                 sampled_token_ids[row] = [token]
         logprobs = to_logprobs_lists(batch, rows, sampler_output.logprobs_tensors)
-        return ModelRunnerOutput(list(req_ids), sampled_token_ids, logprobs, self.prompt_logprobs.pop_completed())
+        return ModelRunnerOutput(list(req_ids), sampled_token_ids, logprobs, self.prompt_logprobs.pop_completed(),
+                                 kv_connector_output=state.kv_connector_output)
 
     @torch.inference_mode()
     def execute_dummy_batch(self) -> None:
@@ -310,7 +327,8 @@ class ModelRunner:
             with tracing.span("forward", num_tokens=n, cuda_graph=True):
                 return graphs.replay(num_reqs, n)
         attn_metadata = None if common is None else self.attn_backend.build(common)
-        with set_forward_context(attn_metadata, n, descriptor), tracing.span("forward", num_tokens=n):
+        with (set_forward_context(attn_metadata, n, descriptor, self.kv_connector),
+              tracing.span("forward", num_tokens=n)):
             return model(buffers.input_ids.gpu[:n], buffers.positions.gpu[:n], intermediate_tensors)
 
     # ---- memory: profile, graphs, sleep ----------------------------------------------------

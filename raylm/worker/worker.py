@@ -130,6 +130,11 @@ class Worker:
         # Graphs read the KV cache at fixed addresses: they are captured once it exists.
         self.compile_or_warm_up_model()
 
+    def get_kv_connector_handshake_metadata(self) -> dict[str, Any] | None:
+        """What the engine's scheduler-side KV connector must know of this worker's side (None without one)."""
+        connector = self._runner().kv_connector
+        return None if connector is None else connector.get_handshake_metadata()
+
     def compile_or_warm_up_model(self) -> None:
         """Capture the CUDA graphs (CUDA only; on CPU every forward runs eagerly), logging time and memory."""
         runner = self._runner()

@@ -54,6 +54,7 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: int | None = None  # with scheduling_policy "priority": smaller is served first
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: to the engine's KV connector (disaggregated prefill)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError on out-of-range values."""
@@ -63,6 +64,8 @@ class SamplingRequest(OpenAIBaseModel):
                 settings["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
             except ValueError:
                 raise ValueError("logit_bias keys must be token ids") from None
+        if self.kv_transfer_params is not None:
+            settings["extra_args"] = {"kv_transfer_params": self.kv_transfer_params}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **settings)
 
     @property
@@ -143,6 +146,8 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # A prefill's (kv_producer): where a decode engine takes its KV; absent otherwise.
+    kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=lambda params: params is None)
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -179,6 +184,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # A prefill's (kv_producer): where a decode engine takes its KV; absent otherwise.
+    kv_transfer_params: dict[str, Any] | None = Field(None, exclude_if=lambda params: params is None)
 
 
 class DeltaMessage(OpenAIBaseModel):

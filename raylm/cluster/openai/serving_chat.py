@@ -70,9 +70,11 @@ class OpenAIServingChat(OpenAIServing):
                        outputs: AsyncGenerator[RequestOutput, None]) -> ChatCompletionResponse:
         choices: dict[int, ChoiceState] = {}
         num_prompt_tokens = 0
+        kv_transfer_params = None
         async with aclosing(outputs):
             async for output in outputs:
                 num_prompt_tokens = len(output.prompt_token_ids)
+                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 for completion in output.outputs:
                     choices.setdefault(completion.index, ChoiceState()).add(completion)
         response_choices = [
@@ -82,7 +84,8 @@ class OpenAIServingChat(OpenAIServing):
             for index, choice in sorted(choices.items())]
         num_completion_tokens = sum(len(choice.token_ids) for choice in choices.values())
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=response_choices,
-                                      usage=usage(num_prompt_tokens, num_completion_tokens))
+                                      usage=usage(num_prompt_tokens, num_completion_tokens),
+                                      kv_transfer_params=kv_transfer_params)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, n: int,
                       outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:

@@ -49,9 +49,11 @@ class OpenAIServingCompletion(OpenAIServing):
                        outputs: _Outputs) -> CompletionResponse:
         choices: dict[int, ChoiceState] = {}
         num_prompt_tokens: dict[int, int] = {}
+        kv_transfer_params = None
         async with aclosing(outputs):
             async for prompt_index, output in outputs:
                 num_prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+                kv_transfer_params = output.kv_transfer_params or kv_transfer_params
                 for completion in output.outputs:
                     choices.setdefault(prompt_index * n + completion.index, ChoiceState()).add(completion)
         response_choices = [
@@ -61,7 +63,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for index, choice in sorted(choices.items())]
         num_completion_tokens = sum(len(choice.token_ids) for choice in choices.values())
         return CompletionResponse(id=request_id, model=self.model_name, choices=response_choices,
-                                  usage=usage(sum(num_prompt_tokens.values()), num_completion_tokens))
+                                  usage=usage(sum(num_prompt_tokens.values()), num_completion_tokens),
+                                  kv_transfer_params=kv_transfer_params)
 
     async def _stream(self, request: CompletionRequest, request_id: str, n: int,
                       outputs: _Outputs) -> AsyncGenerator[str, None]:

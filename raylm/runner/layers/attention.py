@@ -8,6 +8,7 @@ from torch import nn
 
 from raylm.runner.attention.backend import AttentionMetadata
 from raylm.runner.forward_context import get_forward_context
+from raylm.runner.kv_transfer.base import kv_layer_name
 
 
 class Attention(nn.Module):
@@ -18,6 +19,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         assert self.num_heads % self.num_kv_heads == 0, "query heads must be a multiple of KV heads"
         self.layer_idx = layer_idx  # global layer index: the runner binds kv_cache by it
+        self.layer_name = kv_layer_name(layer_idx)  # what a KV connector calls this layer's cache
         self.kv_cache = torch.empty(0)  # [2, num_blocks, block_size, num_kv_heads, head_size] once bound
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -25,12 +27,19 @@ class Attention(nn.Module):
         q = query.unflatten(-1, (self.num_heads, self.head_size))
         k = key.unflatten(-1, (self.num_kv_heads, self.head_size))
         v = value.unflatten(-1, (self.num_kv_heads, self.head_size))
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
+        metadata = context.attn_metadata
         if metadata is None:
             return self._forward_without_cache(q, k, v)
         assert isinstance(metadata, AttentionMetadata)
         assert self.kv_cache.numel() > 0, f"layer {self.layer_idx} has no KV cache bound"
-        return metadata.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        connector = context.kv_connector
+        if connector is None:
+            return metadata.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        connector.wait_for_layer_load(self.layer_name)
+        output = metadata.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        connector.save_kv_layer(self.layer_name, self.kv_cache, metadata)
+        return output
 
     def _forward_without_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Dummy and profile runs: the whole batch as one causal sequence, the cache untouched."""

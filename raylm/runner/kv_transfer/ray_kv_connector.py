@@ -1,0 +1,291 @@
+"""RayKVConnector: disaggregated prefill on Ray. A prefill engine (kv_producer) computes a prompt's KV; a decode engine
+(kv_consumer) receives it and decodes, as vLLM's P/D connectors do.
+
+The caller (raylm's Serve PD proxy, or any client) sends the prompt to the prefill engine with max_tokens 1 and
+`kv_transfer_params: {"do_remote_decode": true}`; the finished request's output carries kv_transfer_params naming the
+transfer, which the caller passes on with the same prompt to a decode engine.
+
+Producer: in the step that completes the prompt, each attention layer's blocks of the request are copied out as soon as
+the layer has written them (save_kv_layer) and put into Ray's object store on a sender thread while the next layers
+compute; wait_for_save then offers the layers under the transfer's key. The
+request's blocks stay held (delay_free) until the puts are done. Consumer: the prompt's tokens but the last are
+external; the request waits in WAITING_FOR_REMOTE_KVS while a thread takes the transfer from that KVStore (waiting up to
+kv_transfer_timeout_s for it) and copies it, layer by layer, into the blocks past its own prefix-cache hit; the last
+prompt token is computed here and gives the first sampled token. A transfer that does not come, lacks layers or does
+not match the prompt is recomputed. The KV goes worker to object store to worker: never through a driver.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import uuid
+from array import array
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from raylm.common.kv_transfer import KVConnectorMetadata
+from raylm.common.outputs import SchedulerOutput
+from raylm.runner.kv_transfer.base import KVConnectorBase, KVConnectorRole, kv_transfer_params
+from raylm.runner.kv_transfer.block_copy import gather_layer, scatter_layer
+from raylm.runner.kv_transfer.kv_store import kv_store_by_name, kv_store_name, node_kv_store
+
+logger = logging.getLogger(__name__)
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
+
+
+@dataclass
+class SendJob:
+    request_id: str
+    key: str
+    block_ids: list[int]  # the prompt's blocks
+    refs: dict[str, list[Any]] = field(default_factory=dict)  # layer name -> [ObjectRef] once put
+
+
+@dataclass
+class RecvJob:
+    request_id: str
+    key: str
+    store_name: str
+    first_block: int  # the prompt's blocks from this one on are loaded (the ones before are cached here)
+    block_ids: list[int]
+    timeout_s: float
+
+
+@dataclass
+class RayKVMetadata(KVConnectorMetadata):
+    sends: list[SendJob] = field(default_factory=list)
+    recvs: list[RecvJob] = field(default_factory=list)
+
+
+@dataclass
+class _Producing:
+    num_prompt_tokens: int
+    block_ids: list[int]
+    sent: bool = False
+
+
+class RayKVConnector(KVConnectorBase):
+    def __init__(self, config: Any, role: KVConnectorRole) -> None:
+        super().__init__(config, role)
+        kv_role = config.kv_transfer_config.kv_role
+        self.is_producer = kv_role in ("kv_producer", "kv_both")
+        self.is_consumer = kv_role in ("kv_consumer", "kv_both")
+        self.timeout_s = config.kv_transfer_config.kv_transfer_timeout_s
+        self.num_layers = config.model_info.num_hidden_layers
+        if role == KVConnectorRole.SCHEDULER:
+            self.engine_id = uuid.uuid4().hex
+            self._producing: dict[str, _Producing] = {}
+            self._found: dict[str, tuple[int, dict[str, Any]]] = {}  # request -> (first block, its params)
+            self._recvs: list[RecvJob] = []
+            # Requests that used (or could not use) their params: a preempted one recomputes (vLLM's). A request
+            # whose blocks could not be allocated yet asks again at the next step.
+            self._consumed: set[str] = set()
+
+    # ---- scheduler side ------------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: list[dict[str, Any] | None]) -> None:
+        [worker] = metadata
+        assert worker is not None
+        self.store_name: str = worker["store_name"]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = kv_transfer_params(request)
+        if (not self.is_consumer or not params or not params.get("do_remote_prefill")
+                or request.request_id in self._consumed):
+            return 0, False
+        problem = self._mismatch(request, params)
+        if problem is not None:
+            self._consumed.add(request.request_id)
+            logger.warning("request %s: the prefill's KV is not used (%s); it is recomputed", request.request_id,
+                           problem)
+            return 0, False
+        num_external = request.num_prompt_tokens - 1 - num_computed_tokens  # the last one gives the first token
+        if num_external <= 0:
+            self._consumed.add(request.request_id)
+            return 0, False
+        self._found[request.request_id] = (num_computed_tokens // self.block_size, params)
+        return num_external, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        found = self._found.pop(request.request_id, None)
+        if num_external_tokens and found is not None:
+            first, params = found
+            self._consumed.add(request.request_id)
+            last = -(-(first * self.block_size + num_external_tokens) // self.block_size)
+            self._recvs.append(RecvJob(request.request_id, params["remote_transfer_key"], params["remote_store"],
+                                       first, block_ids[first:last], self.timeout_s))
+        params = kv_transfer_params(request)
+        if self.is_producer and params and params.get("do_remote_decode"):
+            self._producing[request.request_id] = _Producing(request.num_prompt_tokens, list(block_ids))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RayKVMetadata:
+        sends: list[SendJob] = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._producing.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids)
+                self._maybe_send(new.req_id, state, new.num_computed_tokens + scheduled[new.req_id], sends)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                       cached.num_computed_tokens):
+            state = self._producing.get(req_id)
+            if state is not None:
+                state.block_ids.extend(new_block_ids)
+                self._maybe_send(req_id, state, num_computed + scheduled[req_id], sends)
+        metadata, self._recvs = RayKVMetadata(sends, self._recvs), []
+        return metadata
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._found.pop(request.request_id, None)
+        self._consumed.discard(request.request_id)
+        state = self._producing.pop(request.request_id, None)
+        if state is None or not state.sent:
+            return False, None
+        return True, {
+            "do_remote_prefill": True, "remote_transfer_key": self._key(request.request_id),
+            "remote_store": self.store_name, "remote_num_tokens": state.num_prompt_tokens,
+            "remote_block_size": self.block_size, "remote_num_layers": self.num_layers,
+            "remote_prompt_digest": prompt_digest(request.prompt_token_ids)}
+
+    def _maybe_send(self, request_id: str, state: _Producing, num_computed_after: int, sends: list[SendJob]) -> None:
+        if state.sent or num_computed_after < state.num_prompt_tokens:
+            return
+        state.sent = True
+        num_blocks = -(-state.num_prompt_tokens // self.block_size)
+        sends.append(SendJob(request_id, self._key(request_id), state.block_ids[:num_blocks]))
+
+    def _key(self, request_id: str) -> str:
+        return f"{self.engine_id}/{request_id}"
+
+    def _mismatch(self, request: Any, params: dict[str, Any]) -> str | None:
+        expected = {"remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
+                    "remote_num_layers": self.num_layers}
+        for name, value in expected.items():
+            if params.get(name) != value:
+                return f"{name} is {params.get(name)!r}, here {value!r}"
+        if request.num_output_tokens:
+            return "the request has output tokens already"
+        if params.get("remote_prompt_digest") != prompt_digest(request.prompt_token_ids):
+            return "it was computed for another prompt"
+        return None
+
+    # ---- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.store = node_kv_store(self.node_id)
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-send")  # one: a job's puts, then its offer
+        self._receiver = ThreadPoolExecutor(4, thread_name_prefix="raylm-kv-recv")
+        self._lock = threading.Condition()
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._invalid: set[int] = set()
+        self._num_receiving = 0
+
+    def get_handshake_metadata(self) -> dict[str, Any]:
+        return {"store_name": kv_store_name(self.node_id)}
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, RayKVMetadata)
+        for job in metadata.recvs:
+            with self._lock:
+                self._num_receiving += 1
+            self._receiver.submit(self._receive, job)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: a request's KV is received before it is scheduled."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        self._save_layer(layer_name, kv_layer)
+
+    def _save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, RayKVMetadata)
+        for job in metadata.sends:
+            if layer_name not in job.refs:
+                job.refs[layer_name] = []  # filled by the sender thread
+                self._sender.submit(self._put, job, layer_name, gather_layer(kv_layer, job.block_ids))
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, RayKVMetadata)
+        if not metadata.sends:
+            return
+        # Layers a captured CUDA graph ran without calling save_kv_layer are saved now.
+        for layer_name, kv_layer in self.kv_caches.items():
+            self._save_layer(layer_name, kv_layer)
+        for job in metadata.sends:
+            self._sender.submit(self._offer, job)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            sending, self._finished_sending = self._finished_sending, set()
+            recving, self._finished_recving = self._finished_recving, set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def wait_for_transfers(self, timeout_s: float) -> None:
+        with self._lock:
+            if not (self._finished_sending or self._finished_recving):
+                self._lock.wait(timeout_s)
+
+    def shutdown(self) -> None:
+        self._sender.shutdown(wait=True)
+        self._receiver.shutdown(wait=True)
+
+    def _put(self, job: SendJob, layer_name: str, blocks: Any) -> None:
+        try:
+            job.refs[layer_name].append(ray.put(blocks))
+        except Exception:  # the transfer goes out without this layer: the decode engine recomputes
+            logger.exception("request %s: putting layer %s of its KV failed", job.request_id, layer_name)
+
+    def _offer(self, job: SendJob) -> None:
+        try:
+            layers = {name: refs for name, refs in job.refs.items() if refs}
+            ray.get(self.store.offer_transfer.remote(job.key, layers, len(self.kv_caches), self.timeout_s))
+        except Exception:
+            logger.exception("request %s: offering its KV to the node's store failed", job.request_id)
+        with self._lock:
+            self._finished_sending.add(job.request_id)
+            self._lock.notify_all()
+
+    def _receive(self, job: RecvJob) -> None:
+        ok = False
+        try:
+            store = kv_store_by_name(job.store_name)
+            taken = ray.get(store.take_transfer.remote(job.key, job.timeout_s))
+            if taken is None:
+                logger.warning("request %s: its prefill's KV did not come within %.0f s; it is recomputed",
+                               job.request_id, job.timeout_s)
+            elif set(taken[0]) != set(self.kv_caches) or taken[1] != len(self.kv_caches):
+                logger.warning("request %s: its prefill's KV has %d of %d layers; it is recomputed", job.request_id,
+                               len(taken[0]), len(self.kv_caches))
+            else:
+                for layer_name, kv_layer in self.kv_caches.items():  # layer by layer, as each arrives
+                    blocks = ray.get(taken[0][layer_name][0])
+                    scatter_layer(kv_layer, job.block_ids,
+                                  blocks[:, job.first_block:job.first_block + len(job.block_ids)])
+                ok = True
+        except Exception:
+            logger.exception("request %s: receiving its prefill's KV failed; it is recomputed", job.request_id)
+        with self._lock:
+            if not ok:
+                self._invalid.update(job.block_ids)
+            self._finished_recving.add(job.request_id)
+            self._num_receiving -= 1
+            self._lock.notify_all()
