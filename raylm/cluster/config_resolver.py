@@ -15,6 +15,7 @@ from raylm.cluster.default_model import resolve_model
 from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.engine_config import ResolvedConfig
+from raylm.configs.lora import resolve_lora_config
 from raylm.configs.model_info import ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
@@ -52,6 +53,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     max_model_len = resolve_max_model_len(model_config, model_info)
     dp_lockstep = model_info.is_moe and parallel.enable_expert_parallel and parallel.data_parallel_size > 1
     _check_expert_parallel(model_info, parallel, dp_lockstep)
+    lora_config = resolve_lora_config(config.lora_config, model_info, model_config.served_model_name)
 
     device = decide_device(model_config, parallel)
     dtype = resolve_dtype(model_config, model_info, device)
@@ -78,6 +80,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         scheduler_config=scheduler.model_copy(update={"async_scheduling": scheduler.async_scheduling and pp == 1}),
         compilation_config=compilation.model_copy(update={
             "cudagraph_mode": resolve_cudagraph_mode(compilation, device)}),
+        lora_config=lora_config,
         resolved=ResolvedConfig(model_info, _num_ray_bundles(parallel), dp_lockstep,
                                 max_concurrent_batches),
     )

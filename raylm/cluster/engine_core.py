@@ -51,7 +51,8 @@ class EngineCore:
         # Stage 0 of a pipeline learns a request's sampled token only from the next SchedulerOutput.
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, config.model_config.max_model_len, self.num_blocks,
-            config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1)
+            config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1,
+            max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else None)
         self.num_generation_tokens = 0  # since start, for stats
         depth = config.resolved.max_concurrent_batches
         self.sleeping_tags: set[str] = set()  # what sleep freed and wake_up has not restored yet

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from raylm.cluster.kv_cache_manager import KVCacheManager
+from raylm.cluster.lora_scheduling import LoRABatchLimit
 from raylm.cluster.outputs import EngineCoreOutput
 from raylm.cluster.request import Request, RequestStatus
 from raylm.cluster.request_queue import create_request_queue, preemption_victim
@@ -28,6 +29,7 @@ class Scheduler:
         num_blocks: int,
         block_size: int,
         send_token_ids: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -43,6 +45,7 @@ class Scheduler:
                 f"({max_model_len}) when enable_chunked_prefill is False")
         self.max_model_len = max_model_len
         self.send_token_ids = send_token_ids  # PP > 1: stage 0 did not see the sampled tokens
+        self.max_loras = max_loras  # distinct adapters per step (LoRA's device slots); None: LoRA is off
 
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
@@ -105,13 +108,14 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         any_preempted = False
+        loras = LoRABatchLimit(self.max_loras)
 
         running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
         req_index = 0
         while req_index < len(running) and budget > 0:
             request = running[req_index]
             num_new_tokens = self._num_tokens_to_schedule(request, budget)
-            if num_new_tokens == 0:
+            if num_new_tokens == 0 or not loras.admits(request):
                 req_index += 1
                 continue
             while (block_ids := allocate_slots(request, num_new_tokens)) is None:
@@ -132,12 +136,17 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_block_ids[request.request_id] = block_ids
             scheduled_running.append(request)
+            loras.add(request)
             budget -= num_new_tokens
             req_index += 1
 
         # Admitting while preempting would only thrash the pool.
+        skipped: list[Request] = []  # waiting requests whose adapter finds no free slot this step
         while not any_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if not loras.admits(request):
+                skipped.append(self.waiting.pop())
+                continue
             computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed_tokens
             if num_new_tokens > budget:
@@ -154,14 +163,17 @@ class Scheduler:
                 request.num_cached_tokens = num_computed_tokens
             self.running.append(request)
             scheduled_new.append(request)
+            loras.add(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             budget -= num_new_tokens
+        for request in reversed(skipped):  # back in front, in their order
+            self.waiting.add_preempted(request)
 
         output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
                                req.sampling_params, self.kv_cache_manager.get_block_ids(req.request_id),
-                               req.num_computed_tokens)
+                               req.num_computed_tokens, req.lora_request)
                 for req in scheduled_new],
             scheduled_cached_reqs=self._cached_request_data(scheduled_running, new_block_ids),
             num_scheduled_tokens=num_scheduled_tokens,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -109,6 +109,20 @@ class ObservabilityConfig(_Section):
     trace_file: str | None = Field(None, description="write a Chrome trace of every step's phases on every rank here")
 
 
+class LoRAConfig(_Section):
+    enable_lora: bool = Field(False, description="serve LoRA adapters (PEFT checkpoints) beside the base model")
+    max_loras: int = Field(1, ge=1, description="enable_lora: adapters in one batch (the device slots)")
+    max_lora_rank: int = Field(16, ge=1, description="enable_lora: the largest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="enable_lora: adapters kept in host memory, least recently used evicted; "
+                                "default max_loras")
+    lora_modules: list[str] | None = Field(
+        None, description="enable_lora: adapters registered at start-up, each name=path (a PEFT folder)")
+    dynamic_lora_loading_path: str | None = Field(
+        None, description="enable_lora: a folder of PEFT adapters (one sub-folder each, named as the adapter); a "
+                          "request naming one that is not loaded loads it (the OpenAI server, Ray Serve)")
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
@@ -117,6 +131,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "compilation_config": CompilationConfig,
     "serving_config": ServingConfig,
     "observability_config": ObservabilityConfig,
+    "lora_config": LoRAConfig,
 }
 
 
@@ -145,6 +160,7 @@ class EngineConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     serving_config: ServingConfig = field(default_factory=ServingConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     resolved: ResolvedConfig | None = None
 
     @property
