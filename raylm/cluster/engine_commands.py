@@ -9,8 +9,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeAlias, TypeVar
 
-from raylm.cluster.llm_engine import PromptType
+from raylm.cluster.llm_engine import LLMEngine, PromptType
 from raylm.cluster.outputs import RequestOutput
+from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class AddRequest:
     priority: int
     stream: RequestStream
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -43,7 +45,15 @@ class CheckHealth:
     result: Future[None]
 
 
-EngineCommand: TypeAlias = "AddRequest | AbortRequest | CheckHealth"
+@dataclass
+class CallEngine:
+    """Run `fn(engine)` on the engine thread between steps (adapter loads: they reach the workers in step order)."""
+
+    fn: Callable[[LLMEngine], object]
+    result: Future[object]
+
+
+EngineCommand: TypeAlias = "AddRequest | AbortRequest | CheckHealth | CallEngine"
 
 
 def post_outputs(items: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:

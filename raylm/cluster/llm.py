@@ -7,9 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from raylm.cluster.default_model import served_model_name
 from raylm.cluster.llm_engine import LLMEngine, PromptType
-from raylm.cluster.lora_registry import LoRARegistry
 from raylm.cluster.outputs import RequestOutput
 from raylm.cluster.stats import LoggingStatLogger
 from raylm.common.lora_request import LoRARequest
@@ -37,12 +35,6 @@ class LLM:
         self.stat_logger = (None if observability.disable_log_stats
                             else LoggingStatLogger(observability.log_stats_interval_s))
         self._counter = itertools.count()
-        # The lora_modules, loaded now; generate takes their names as lora_request.
-        self.lora_registry = LoRARegistry(engine.config.lora_config, served_model_name(engine.config.model_config))
-        for name, path in self.lora_registry.static_modules.items():
-            lora_request = self.lora_registry.new_request(name, path)
-            engine.add_lora(lora_request)
-            self.lora_registry.register(lora_request)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -82,10 +74,10 @@ class LLM:
         loras = []
         for lora in given:
             if isinstance(lora, str):
-                named = self.lora_registry.get(lora)
+                named = self.llm_engine.lora_registry.get(lora)
                 if named is None:
                     raise ValueError(f"lora_request {lora!r}: no adapter of that name (lora_modules: "
-                                     f"{sorted(self.lora_registry.adapters)})")
+                                     f"{sorted(self.llm_engine.lora_registry.adapters)})")
                 lora = named
             loras.append(lora)
         return loras

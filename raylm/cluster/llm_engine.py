@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from transformers import AutoTokenizer
 
 from raylm.cluster.config_resolver import resolve_engine_config
+from raylm.cluster.default_model import served_model_name
 from raylm.cluster.engine_core import EngineCore
 from raylm.cluster.lora_checker import LoRAChecker
+from raylm.cluster.lora_registry import LoRARegistry
 from raylm.cluster.output_processor import OutputProcessor, RequestOutputKind
 from raylm.cluster.outputs import DPEngineDiedError, EngineSleepingError, RequestOutput
 from raylm.cluster.request import Request
@@ -59,6 +61,16 @@ class LLMEngine:
         self._seed_rng = random.Random(config.model_config.seed)
         self._trace_events: list[dict[str, Any]] = []
         self._sleeping = False  # kept here so that add_request needs no call to (DP) engines
+        # Adapters by name; the lora_modules are loaded now, so that a bad one fails the start.
+        self.lora_registry = LoRARegistry(config.lora_config, served_model_name(config.model_config))
+        try:
+            for name, path in self.lora_registry.static_modules.items():
+                lora_request = self.lora_registry.new_request(name, path)
+                self.add_lora(lora_request)
+                self.lora_registry.register(lora_request)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
 
     @classmethod
     def from_settings(cls, config_file: str | None = None, **overrides: Any) -> LLMEngine:
