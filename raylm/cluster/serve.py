@@ -12,18 +12,23 @@ with `start_serve` (or a Serve config's `controller_options`) to give the proxy 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import ray
 from fastapi import FastAPI
 from ray import serve
+from starlette.types import Message
 
+from raylm.cluster.asgi_relay import RelayedRequest
 from raylm.cluster.async_llm import AsyncLLM
 from raylm.cluster.config_resolver import decide_device
 from raylm.cluster.default_model import served_model_name
+from raylm.cluster.lora_serve import LoRAIngress, ReplicaAdapters
 from raylm.cluster.openai.api_server import build_app as build_fastapi_app
+from raylm.cluster.openai.api_server import model_router
+from raylm.cluster.openai.lora_router import LoRAModelRouter
 from raylm.cluster.openai.metrics import PrometheusStatLogger
-from raylm.cluster.openai.router import EngineModelRouter
 from raylm.cluster.ray_metrics import RayPrometheusStatLogger
 from raylm.configs import EngineConfig, make_engine_config
 from raylm.executor.cluster_resources import ClusterCapacity, check_fits
@@ -54,10 +59,19 @@ class LLMServer:
         ray_metrics = RayPrometheusStatLogger(model_name, replica)
         self.engine = AsyncLLM(config, stat_loggers=[self.metrics, ray_metrics])
         await self.engine.wait_until_ready()
-        self.api_key = config.serving_config.api_key
+        router = model_router(self.engine)
+        self.app = build_fastapi_app(router, config.serving_config.api_key, self.metrics)
+        self.adapters = (ReplicaAdapters(router.models, config.lora_config.max_loras, replica)
+                         if isinstance(router, LoRAModelRouter) else None)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_fastapi_app(EngineModelRouter(self.engine), self.api_key, self.metrics)
+        return self.app
+
+    async def relay(self, request: RelayedRequest) -> AsyncGenerator[Message, None]:
+        """A request the LoRA ingress handed to this replica (raylm/cluster/lora_serve.py)."""
+        assert self.adapters is not None, "requests are relayed only with enable_lora"
+        async for message in self.adapters.relay(self.app, request):
+            yield message
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -84,7 +98,14 @@ def build_openai_app(config: EngineConfig) -> serve.Application:
     model_id = served_model_name(config.model_config)
     config = dataclasses.replace(config, model_config=config.model_config.model_copy(
         update={"served_model_name": model_id}))
-    return serve.deployment(LLMServer).options(name=f"LLMServer:{model_id}", **llm_server_options(config)).bind(config)
+    server = serve.deployment(LLMServer).options(name=f"LLMServer:{model_id}", **llm_server_options(config))
+    server = server.bind(config)
+    if not config.lora_config.enable_lora:
+        return server
+    # Serve's multiplexed routing needs the adapter's name before a replica is chosen: an ingress reads it.
+    return serve.deployment(LoRAIngress).options(
+        name=f"LoRAIngress:{model_id}", max_ongoing_requests=_MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": 0.5, "runtime_env": _replica_runtime_env()}).bind(server, model_id)
 
 
 def llm_server_options(config: EngineConfig) -> dict[str, Any]:
