@@ -20,9 +20,6 @@ from raylm.cluster.lora_serve import REPLICA_HEADER
 from raylm.cluster.serve import build_app, start_serve
 from tests.lora_utils import make_adapter
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -35,8 +32,7 @@ def base_url(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     make_adapter(llama_path, adapters / "sql", seed=21, r=8)
     make_adapter(llama_path, adapters / "chat", seed=22, r=4, target_modules=["q_proj", "v_proj"])
     port = _free_port()  # not Serve's default 8000: other Serve tests may run on this machine
-    ray.init(address="local", num_cpus=8, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
         start_serve("127.0.0.1", port)
         app = build_app({"model": str(llama_path), "served_model_name": "base", "enable_lora": True, "max_loras": 1,

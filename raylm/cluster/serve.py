@@ -60,17 +60,17 @@ class LLMServer:
         self.engine = AsyncLLM(config, stat_loggers=[self.metrics, ray_metrics])
         await self.engine.wait_until_ready()
         router = model_router(self.engine)
-        self.app = build_fastapi_app(router, config.serving_config.api_key, self.metrics)
+        self.asgi_app = build_fastapi_app(router, config.serving_config.api_key, self.metrics)
         self.adapters = (ReplicaAdapters(router.models, config.lora_config.max_loras, replica)
                          if isinstance(router, LoRAModelRouter) else None)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return self.app
+        return self.asgi_app
 
     async def relay(self, request: RelayedRequest) -> AsyncGenerator[Message, None]:
         """A request the LoRA ingress handed to this replica (raylm/cluster/lora_serve.py)."""
         assert self.adapters is not None, "requests are relayed only with enable_lora"
-        async for message in self.adapters.relay(self.app, request):
+        async for message in self.adapters.relay(self.asgi_app, request):
             yield message
 
     async def check_health(self) -> None:

@@ -99,10 +99,18 @@ class LoRAManager:
             if lora_id in self.slot_ids:
                 slots[lora_id] = self.slot_ids.index(lora_id)
                 continue
-            slot = next(i for i, held in enumerate(self.slot_ids) if held is None or held not in needed)
+            slot = self._slot_to_fill(needed)
             self._fill_slot(slot, lora_id, lora)
             slots[lora_id] = slot
         return slots
+
+    def _slot_to_fill(self, needed: frozenset[int]) -> int:
+        """An empty slot, else the slot of the least recently used adapter the step does not need."""
+        if None in self.slot_ids:
+            return self.slot_ids.index(None)
+        recency = {lora_id: i for i, lora_id in enumerate(self.cpu_cache)}
+        candidates = [i for i, held in enumerate(self.slot_ids) if held not in needed]
+        return min(candidates, key=lambda i: recency.get(self.slot_ids[i], -1))
 
     def _fill_slot(self, slot: int, lora_id: int, lora: LoRAModel) -> None:
         by_layer: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {
