@@ -79,6 +79,7 @@ class ReplicaAdapters:
             yield message
 
 
+@serve.ingress()
 class LoRAIngress:
     """The app's HTTP entry with LoRA on: one route for everything, handed to a replica chosen by adapter."""
 

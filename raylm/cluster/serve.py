@@ -47,10 +47,10 @@ REPLICA_ENV_VARS = {"RAY_worker_niceness": "0"}
 SERVE_ENV_VARS = REPLICA_ENV_VARS | {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
-@serve.ingress()
-class LLMServer:
+class LLMReplica:
     """One replica, one engine, the OpenAI app over it. /metrics answers from the replica that gets the request,
-    its series labelled with that replica's id; the same series go to Ray's metrics from every replica."""
+    its series labelled with that replica's id; the same series go to Ray's metrics from every replica. Deployed as
+    is behind the LoRA ingress (raylm/cluster/lora_serve.py), which relays requests to it; else as LLMServer."""
 
     async def __init__(self, config: EngineConfig) -> None:
         replica = serve.get_replica_context().replica_id.unique_id
@@ -80,6 +80,11 @@ class LLMServer:
         self.engine.shutdown()
 
 
+@serve.ingress()
+class LLMServer(LLMReplica):
+    """The replica as the app's HTTP entry: HTTP from Serve's proxy straight to it."""
+
+
 def start_serve(host: str, port: int) -> None:
     """serve.start with raylm's settings for Serve's own actors. Like any serve.start, it changes nothing where Serve
     already runs on the cluster (Serve warns)."""
@@ -98,10 +103,11 @@ def build_openai_app(config: EngineConfig) -> serve.Application:
     model_id = served_model_name(config.model_config)
     config = dataclasses.replace(config, model_config=config.model_config.model_copy(
         update={"served_model_name": model_id}))
-    server = serve.deployment(LLMServer).options(name=f"LLMServer:{model_id}", **llm_server_options(config))
-    server = server.bind(config)
+    options = {"name": f"LLMServer:{model_id}", **llm_server_options(config)}
     if not config.lora_config.enable_lora:
-        return server
+        return serve.deployment(LLMServer).options(**options).bind(config)
+    # One ingress per app: the replicas answer the LoRA ingress's handle calls only.
+    server = serve.deployment(LLMReplica).options(**options).bind(config)
     # Serve's multiplexed routing needs the adapter's name before a replica is chosen: an ingress reads it.
     return serve.deployment(LoRAIngress).options(
         name=f"LoRAIngress:{model_id}", max_ongoing_requests=_MAX_ONGOING_REQUESTS,
