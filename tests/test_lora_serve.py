@@ -20,6 +20,7 @@ from raylm.cluster.lora_serve import REPLICA_HEADER
 from raylm.cluster.serve import build_app, start_serve
 from tests.lora_utils import make_adapter
 
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
