@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -73,6 +74,7 @@ def main() -> None:
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in output_lens]
     max_model_len = args.input_len[1] + args.output_len[1]
     print(machine_line(), file=sys.stderr)
+    load_before = os.getloadavg()[0]
 
     settings: dict[str, tuple[LLM, list[LoRARequest | None]]] = {
         "base": (LLM(str(model), max_model_len=max_model_len, **ENGINE_SETTINGS), [None] * len(prompts))}
@@ -99,6 +101,9 @@ def main() -> None:
         llm.shutdown()
 
     print(machine_line())
+    # Other processes on the machine slow every setting alike but widen the spread: the 1-minute load says how many.
+    print(f"load average (1 min): {load_before:.1f} before the runs, {os.getloadavg()[0]:.1f} after, "
+          f"{os.cpu_count()} CPUs")
     print(f"model {args.preset} ({model.name}), {args.num_requests} requests, prompts {args.input_len[0]}-"
           f"{args.input_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]} ({sum(output_lens)} tokens), "
           f"greedy, float32, {torch.get_num_threads()} threads, median of {args.runs} interleaved runs")

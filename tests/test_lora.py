@@ -9,11 +9,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.common.lora_request import LoRARequest
+from raylm.runner.input_batch import CachedRequestState, InputBatch
+from raylm.runner.lora.punica import PunicaWrapper
 from raylm.runner.lora.worker_manager import LoRAManager
 from tests.lora_utils import make_adapter, peft_greedy
 from tests.reference import TOP_K, check_logprobs_close
@@ -189,14 +192,10 @@ def test_tensor_parallel_matches_peft(ray_cluster: Any, llama_path: Path, lora_r
 
 def test_lora_product_matches_the_loop_over_tokens() -> None:
     """The batched shrink/expand equals x @ A[slot].T @ B[slot].T token by token, and adds exact zeros for base."""
-    from raylm.runner.lora.punica import PunicaWrapper
-
     torch.manual_seed(0)
     max_loras, rank, tokens = 3, 4, 7
     punica = PunicaWrapper(16, max_loras, torch.float32, torch.device("cpu"))
     slots = [0, 2, -1, 1, 1, -1, 0]
-    import numpy as np
-
     punica.update(np.array(slots))
     a = torch.randn(2 * max_loras * rank, 5)  # two output slices of 3 and 6
     b = [torch.randn(max_loras * rank, 3), torch.randn(max_loras * rank, 6)]
@@ -213,3 +212,19 @@ def test_lora_product_matches_the_loop_over_tokens() -> None:
             expected[t, offset:offset + size] += x[t] @ a_slot.T @ b_slot
     torch.testing.assert_close(out, expected)
     assert torch.equal(out[2], y[2]) and torch.equal(out[5], y[5])
+
+
+def test_input_batch_rows_carry_their_adapter() -> None:
+    """Rows keep their adapter id through condense; an adapter no row uses any more is forgotten (no growth)."""
+    batch = InputBatch(max_num_reqs=4, max_model_len=32, max_blocks_per_req=8, vocab_size=100)
+    loras = [None, LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b"), LoRARequest("a", 1, "/a")]
+    for i, lora in enumerate(loras):
+        batch.add_request(CachedRequestState(f"r{i}", [5, 6], [], SamplingParams(seed=1), [i], 0, lora))
+    assert list(batch.request_lora_mapping[:4]) == [0, 1, 2, 1] and set(batch.lora_id_to_request) == {1, 2}
+    batch.remove_request("r1")
+    assert set(batch.lora_id_to_request) == {1, 2}  # r3 still uses adapter 1
+    batch.remove_request("r2")
+    batch.condense()
+    assert list(batch.request_lora_mapping[:batch.num_rows]) == [0, 1] and set(batch.lora_id_to_request) == {1}
+    batch.remove_request("r3")
+    assert batch.lora_id_to_request == {}

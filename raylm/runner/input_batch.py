@@ -149,6 +149,10 @@ class InputBatch:
         self.rows_version += 1
         self.sampling_params[row] = None
         self.output_token_ids[row] = []
+        lora_id = int(self.request_lora_mapping[row])
+        self.request_lora_mapping[row] = 0
+        if lora_id and not (self.request_lora_mapping == lora_id).any():  # forget adapters no row uses
+            del self.lora_id_to_request[lora_id]
         self._holes.append(row)
         # Highest hole last, so add_request reuses the lowest free row first.
         self._holes.sort(reverse=True)
@@ -192,6 +196,7 @@ class InputBatch:
         for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu, self.min_tokens,
                       self.num_logprobs, self.has_logit_bias, self.request_lora_mapping):
             array[dst] = array[src]
+        self.request_lora_mapping[src] = 0  # the free row holds no adapter
         self.block_table.move_row(src, dst)
         for tensor in (self.temperature, self.top_k, self.top_p, self.min_p, self.seeds,
                        self.presence_penalties, self.frequency_penalties, self.repetition_penalties):
