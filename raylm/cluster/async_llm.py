@@ -22,7 +22,6 @@ from raylm.cluster.engine_commands import (
     AbortRequest,
     AddRequest,
     CallEngine,
-    CheckHealth,
     EngineCommand,
     RequestStream,
     post_outputs,
@@ -99,9 +98,7 @@ class AsyncLLM:
         self._raise_if_dead()
         if not self._started.is_set():
             raise EngineNotReadyError("the engine is still loading the model")
-        result: Future[None] = Future()
-        self._submit(CheckHealth(result))
-        await asyncio.wrap_future(result)
+        await self._call_engine(lambda engine: engine.engine_core.check_health(), fatal=True)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -131,9 +128,9 @@ class AsyncLLM:
     async def remove_lora(self, lora_id: int) -> bool:
         return bool(await self._call_engine(lambda engine: engine.remove_lora(lora_id)))
 
-    async def _call_engine(self, fn: Any) -> Any:
+    async def _call_engine(self, fn: Any, fatal: bool = False) -> Any:
         result: Future[Any] = Future()
-        self._submit(CallEngine(fn, result))
+        self._submit(CallEngine(fn, result, fatal))
         return await asyncio.wrap_future(result)
 
     def abort(self, request_id: str) -> None:
@@ -226,18 +223,13 @@ class AsyncLLM:
                 engine.abort_request([command.request_id])
                 iterations[state.engine_index].finished_requests.append(
                     _finished_stats(state, "abort", time.monotonic()))
-        elif isinstance(command, CallEngine):
-            try:
-                command.result.set_result(command.fn(engine))
-            except ValueError as err:  # a bad adapter fails its own call only
-                command.result.set_exception(err)
         else:
             try:
-                engine.engine_core.check_health()
+                command.result.set_result(command.fn(engine))
             except Exception as err:
                 command.result.set_exception(err)
-                raise
-            command.result.set_result(None)
+                if command.fatal or not isinstance(err, ValueError):  # ValueError: a bad adapter, its call only
+                    raise
 
     def _step(self, engine: LLMEngine, iterations: list[IterationStats]) -> None:
         """One engine step, its outputs delivered. A lost data-parallel engine fails its own requests only, unless
@@ -298,8 +290,7 @@ class AsyncLLM:
         self._requests.clear()
         post_outputs([(stream, EngineDeadError(reason)) for stream in streams])
         for command in commands:
-            # A failed check already has its error.
-            if isinstance(command, (CheckHealth, CallEngine)) and not command.result.done():
+            if isinstance(command, CallEngine) and not command.result.done():  # a failed call already has its error
                 command.result.set_exception(EngineDeadError(reason))
 
     async def sleep(self, level: int = 1) -> None:  # LLMEngine.sleep on the idle engine

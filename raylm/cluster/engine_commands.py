@@ -41,19 +41,17 @@ class AbortRequest:
 
 
 @dataclass
-class CheckHealth:
-    result: Future[None]
-
-
-@dataclass
 class CallEngine:
-    """Run `fn(engine)` on the engine thread between steps (adapter loads: they reach the workers in step order)."""
+    """Run `fn(engine)` on the engine thread between steps (health checks; adapter loads, which reach the workers in
+    step order). A ValueError fails this call only; any other error, or any error of a `fatal` call (a failed health
+    check), also stops the engine."""
 
     fn: Callable[[LLMEngine], object]
     result: Future[object]
+    fatal: bool = False
 
 
-EngineCommand: TypeAlias = "AddRequest | AbortRequest | CheckHealth | CallEngine"
+EngineCommand: TypeAlias = "AddRequest | AbortRequest | CallEngine"
 
 
 def post_outputs(items: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:
