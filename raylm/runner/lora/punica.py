@@ -4,8 +4,8 @@ Every token carries the device slot of its adapter (or none). A layer's slots ar
 the batch against every slot's lora_a at once; a per-token one-hot mask then keeps each token's own slot, and one
 addmm per output slice expands it through the stacked lora_b, straight into the base layer's output. Shapes depend
 only on max_loras and max_lora_rank, never on which adapters a batch holds: nothing is allocated for an adapter, and
-a token without an adapter adds exact zeros. The cost is that of rank max_loras * max_lora_rank: on the small batches
-of CPU decoding it is two to four small GEMMs per layer, cheaper than looping over adapters.
+a token without an adapter adds exact zeros. The price: every token pays for rank max_loras * max_lora_rank, whichever
+adapter it uses (two to four GEMMs per layer, a fixed number of ops; docs/lora.md measures what that costs).
 """
 from __future__ import annotations
 
