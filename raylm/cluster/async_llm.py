@@ -21,14 +21,16 @@ from raylm.cluster.default_model import served_model_name
 from raylm.cluster.engine_commands import (
     AbortRequest,
     AddRequest,
-    CheckHealth,
+    CallEngine,
     EngineCommand,
     RequestStream,
     post_outputs,
 )
 from raylm.cluster.llm_engine import LLMEngine, PromptType
+from raylm.cluster.lora_registry import LoRARegistry
 from raylm.cluster.outputs import DPEngineDiedError, EngineDeadError, EngineNotReadyError, RequestOutput
 from raylm.cluster.stats import FinishedRequestStats, IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
+from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
 
@@ -77,6 +79,10 @@ class AsyncLLM:
         return self._ready_engine().tokenizer
 
     @property
+    def lora_registry(self) -> LoRARegistry:
+        return self._ready_engine().lora_registry
+
+    @property
     def engine_config(self) -> EngineConfig:
         """The engine's resolved config (its model's facts in `.model_info`)."""
         return self._ready_engine().config
@@ -92,18 +98,16 @@ class AsyncLLM:
         self._raise_if_dead()
         if not self._started.is_set():
             raise EngineNotReadyError("the engine is still loading the model")
-        result: Future[None] = Future()
-        self._submit(CheckHealth(result))
-        await asyncio.wrap_future(result)
+        await self._call_engine(lambda engine: engine.engine_core.check_health(), fatal=True)
 
     # ---- requests -----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Yields delta outputs until the request finishes. Bad input raises ValueError; stopping the
         iteration early (a cancelled or disconnected consumer) aborts the request and frees its blocks."""
         stream = RequestStream(asyncio.get_running_loop())
-        self._submit(AddRequest(request_id, prompt, params, priority, stream, time.monotonic()))
+        self._submit(AddRequest(request_id, prompt, params, priority, stream, time.monotonic(), lora_request))
         finished = False
         try:
             while not finished:
@@ -116,6 +120,18 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """LLMEngine.add_lora on the engine thread; ValueError for an adapter the engine cannot serve."""
+        return bool(await self._call_engine(lambda engine: engine.add_lora(lora_request)))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return bool(await self._call_engine(lambda engine: engine.remove_lora(lora_id)))
+
+    async def _call_engine(self, fn: Any, fatal: bool = False) -> Any:
+        result: Future[Any] = Future()
+        self._submit(CallEngine(fn, result, fatal))
+        return await asyncio.wrap_future(result)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; an unknown or finished request id is ignored."""
@@ -194,7 +210,8 @@ class AsyncLLM:
         if isinstance(command, AddRequest):
             try:
                 prompt_token_ids, engine_index = engine.add_request(
-                    command.request_id, command.prompt, command.params, command.priority, output_kind="delta")
+                    command.request_id, command.prompt, command.params, command.priority, output_kind="delta",
+                    lora_request=command.lora_request)
             except ValueError as err:  # bad input fails this request only
                 post_outputs([(command.stream, err)])
                 return
@@ -208,11 +225,11 @@ class AsyncLLM:
                     _finished_stats(state, "abort", time.monotonic()))
         else:
             try:
-                engine.engine_core.check_health()
+                command.result.set_result(command.fn(engine))
             except Exception as err:
                 command.result.set_exception(err)
-                raise
-            command.result.set_result(None)
+                if command.fatal or not isinstance(err, ValueError):  # ValueError: a bad adapter, its call only
+                    raise
 
     def _step(self, engine: LLMEngine, iterations: list[IterationStats]) -> None:
         """One engine step, its outputs delivered. A lost data-parallel engine fails its own requests only, unless
@@ -273,7 +290,7 @@ class AsyncLLM:
         self._requests.clear()
         post_outputs([(stream, EngineDeadError(reason)) for stream in streams])
         for command in commands:
-            if isinstance(command, CheckHealth) and not command.result.done():  # a failed check already has its error
+            if isinstance(command, CallEngine) and not command.result.done():  # a failed call already has its error
                 command.result.set_exception(EngineDeadError(reason))
 
     async def sleep(self, level: int = 1) -> None:  # LLMEngine.sleep on the idle engine

@@ -16,6 +16,7 @@ from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.engine_config import ResolvedConfig, SpeculativeConfig
 from raylm.configs.kv_transfer import KVTransferConfig
+from raylm.configs.lora import resolve_lora_config
 from raylm.configs.model_info import ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
@@ -53,6 +54,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     max_model_len = resolve_max_model_len(model_config, model_info)
     dp_lockstep = model_info.is_moe and parallel.enable_expert_parallel and parallel.data_parallel_size > 1
     _check_expert_parallel(model_info, parallel, dp_lockstep)
+    lora_config = resolve_lora_config(config.lora_config, model_info, model_config.served_model_name)
 
     kv_transfer = _resolve_kv_transfer(config)
     device = decide_device(model_config, parallel)
@@ -86,6 +88,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         speculative_config=speculative,
         kv_transfer_config=kv_transfer,
         routing_config=config.routing_config.model_copy(update={"routing_policy": resolve_routing_policy(config)}),
+        lora_config=lora_config,
         resolved=ResolvedConfig(model_info, _num_ray_bundles(parallel), dp_lockstep,
                                 max_concurrent_batches, draft_model_info),
     )

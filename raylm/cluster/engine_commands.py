@@ -9,8 +9,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeAlias, TypeVar
 
-from raylm.cluster.llm_engine import PromptType
+from raylm.cluster.llm_engine import LLMEngine, PromptType
 from raylm.cluster.outputs import RequestOutput
+from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class AddRequest:
     priority: int
     stream: RequestStream
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -39,11 +41,17 @@ class AbortRequest:
 
 
 @dataclass
-class CheckHealth:
-    result: Future[None]
+class CallEngine:
+    """Run `fn(engine)` on the engine thread between steps (health checks; adapter loads, which reach the workers in
+    step order). A ValueError fails this call only; any other error, or any error of a `fatal` call (a failed health
+    check), also stops the engine."""
+
+    fn: Callable[[LLMEngine], object]
+    result: Future[object]
+    fatal: bool = False
 
 
-EngineCommand: TypeAlias = "AddRequest | AbortRequest | CheckHealth"
+EngineCommand: TypeAlias = "AddRequest | AbortRequest | CallEngine"
 
 
 def post_outputs(items: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:

@@ -58,7 +58,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, config.model_config.max_model_len, self.num_blocks,
             config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1,
-            speculative_config=config.speculative_config, kv_connector=self.kv_connector)
+            speculative_config=config.speculative_config, kv_connector=self.kv_connector,
+            max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else None)
         self.num_generation_tokens = 0  # since start, for stats
         depth = config.resolved.max_concurrent_batches
         self.sleeping_tags: set[str] = set()  # what sleep freed and wake_up has not restored yet

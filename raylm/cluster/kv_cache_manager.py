@@ -3,6 +3,7 @@ tokens are scheduled, and freeing."""
 from __future__ import annotations
 
 from raylm.cluster.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from raylm.cluster.lora_scheduling import block_hash_seed
 from raylm.cluster.request import Request
 
 
@@ -142,5 +143,5 @@ class KVCacheManager:
         hashes, size = request.block_hashes, self.block_size
         assert num_full_blocks * size <= request.num_tokens
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else block_hash_seed(request.lora_request)  # adapters never share KV
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * size:(i + 1) * size]))

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from raylm.cluster.llm_engine import LLMEngine, PromptType
 from raylm.cluster.outputs import RequestOutput
 from raylm.cluster.stats import LoggingStatLogger
+from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
 
@@ -40,10 +41,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """`lora_request`: the adapter of every prompt, or one per prompt (None: the base model); a LoRARequest, or
+        the name of one of the lora_modules."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = _per_prompt(sampling_params, len(prompts))
+        loras = self._lora_per_prompt(lora_request, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
@@ -51,13 +57,40 @@ class LLM:
         engine = self.llm_engine
         request_ids = [str(next(self._counter)) for _ in prompts]
         try:
-            for request_id, prompt, params, prio in zip(request_ids, prompts, params_list, priorities):
-                engine.add_request(request_id, prompt, params, priority=prio, output_kind="final")
+            for request_id, prompt, params, prio, lora in zip(request_ids, prompts, params_list, priorities, loras):
+                engine.add_request(request_id, prompt, params, priority=prio, output_kind="final", lora_request=lora)
             finished = self._run_engine(len(prompts), use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)
             raise
         return [finished[request_id] for request_id in request_ids]
+
+    def _lora_per_prompt(self, lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None,
+                         n: int) -> list[LoRARequest | None]:
+        given = list(lora_request) if isinstance(lora_request, Sequence) and not isinstance(lora_request, str) else [
+            lora_request] * n
+        if len(given) != n:
+            raise ValueError(f"lora_request has {len(given)} entries for {n} prompts: give one, or one per prompt")
+        loras = []
+        for lora in given:
+            if isinstance(lora, str):
+                named = self.llm_engine.lora_registry.get(lora)
+                if named is None:
+                    raise ValueError(f"lora_request {lora!r}: no adapter of that name (lora_modules: "
+                                     f"{sorted(self.llm_engine.lora_registry.adapters)})")
+                lora = named
+            loras.append(lora)
+        return loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests (vLLM's LLMEngine.add_lora); False if it was loaded."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -14,11 +14,15 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from transformers import AutoTokenizer
 
 from raylm.cluster.config_resolver import resolve_engine_config
+from raylm.cluster.default_model import served_model_name
 from raylm.cluster.engine_core import EngineCore
+from raylm.cluster.lora_checker import LoRAChecker
+from raylm.cluster.lora_registry import LoRARegistry
 from raylm.cluster.output_processor import OutputProcessor, RequestOutputKind
 from raylm.cluster.outputs import DPEngineDiedError, EngineSleepingError, RequestOutput
 from raylm.cluster.request import Request
 from raylm.common import tracing
+from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig, make_engine_config
 from raylm.configs.model_info import ModelInfo
@@ -51,11 +55,22 @@ class LLMEngine:
         else:
             self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.lora_checker = LoRAChecker(config)
         # Requests without a seed get one drawn here: every rank of an engine then samples them identically, and
         # they sample the same whichever data-parallel engine serves them.
         self._seed_rng = random.Random(config.model_config.seed)
         self._trace_events: list[dict[str, Any]] = []
         self._sleeping = False  # kept here so that add_request needs no call to (DP) engines
+        # Adapters by name; the lora_modules are loaded now, so that a bad one fails the start.
+        self.lora_registry = LoRARegistry(config.lora_config, served_model_name(config.model_config))
+        try:
+            for name, path in self.lora_registry.static_modules.items():
+                lora_request = self.lora_registry.new_request(name, path)
+                self.add_lora(lora_request)
+                self.lora_registry.register(lora_request)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
 
     @classmethod
     def from_settings(cls, config_file: str | None = None, **overrides: Any) -> LLMEngine:
@@ -76,7 +91,8 @@ class LLMEngine:
         raise ValueError(f"a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; got {prompt!r}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    output_kind: RequestOutputKind = "cumulative") -> tuple[list[int], int]:
+                    output_kind: RequestOutputKind = "cumulative",
+                    lora_request: LoRARequest | None = None) -> tuple[list[int], int]:
         """Queue one prompt (n sequences); returns its prompt token ids and the index of the (data-parallel) engine
         that serves it (of its first sequence). Bad input raises ValueError."""
         if self._sleeping:
@@ -85,6 +101,8 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt: it is empty (0 tokens)")
         self._check_request(params, priority)
+        if lora_request is not None:
+            self.lora_checker.check(lora_request)
         if params.seed is None:
             params = replace(params, seed=self._seed_rng.getrandbits(62))
         child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
@@ -92,7 +110,7 @@ class LLMEngine:
         for index, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else _child_params(params, index)
             engines.append(self.engine_core.add_request(Request(child_id, token_ids, child_params, self.eos_token_ids,
-                                                                priority=priority)))
+                                                                priority=priority, lora_request=lora_request)))
             self.output_processor.add_request(child_id, text, token_ids, child_params,
                                               parent_id=None if params.n == 1 else request_id, index=index,
                                               output_kind=output_kind)
@@ -127,6 +145,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter and read it into every worker's host cache ahead of its requests; False if they held it."""
+        self.lora_checker.check(lora_request)
+        return any(self.engine_core.collective_rpc("add_lora", (lora_request,)))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop an adapter from the workers' caches (requests still running with it reload it); False if unknown."""
+        self.lora_checker.forget(lora_id)
+        return any(self.engine_core.collective_rpc("remove_lora", (lora_id,)))
+
+    def list_loras(self) -> set[int]:
+        """The adapter ids in the workers' host caches."""
+        return set().union(*self.engine_core.collective_rpc("list_loras"))
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache and offload (level 1) or drop (level 2) the weights, on every worker; only while no

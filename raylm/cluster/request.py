@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class Request:
         eos_token_ids: set[int] | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -49,6 +51,7 @@ class Request:
         self.eos_token_ids = set(eos_token_ids or ())
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority  # smaller is served first (vLLM's convention)
+        self.lora_request = lora_request  # None: the base model
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -13,9 +13,10 @@ from typing import Any
 
 from raylm.cluster.kv_cache_manager import KVCacheManager
 from raylm.cluster.kv_transfer_tracker import KVTransferTracker
+from raylm.cluster.lora_scheduling import LoRABatchLimit
 from raylm.cluster.outputs import EngineCoreOutput
 from raylm.cluster.request import Request, RequestStatus
-from raylm.cluster.request_queue import create_request_queue, preemption_victim
+from raylm.cluster.request_queue import RequestQueue, create_request_queue, preemption_victim
 from raylm.cluster.spec_decode import DraftScheduling
 from raylm.cluster.stop_checker import check_stop
 from raylm.common.outputs import CachedRequestData, LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -34,6 +35,7 @@ class Scheduler:
         send_token_ids: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         kv_connector: KVConnectorBase | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -51,6 +53,7 @@ class Scheduler:
         self.send_token_ids = send_token_ids  # PP > 1: stage 0 did not see the sampled tokens
         self.drafts = (None if speculative_config is None else
                        DraftScheduling(speculative_config, self.async_scheduling, max_model_len))
+        self.max_loras = max_loras  # distinct adapters per step (LoRA's device slots); None: LoRA is off
 
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
         # The scheduler side of a KV connector: external KV for requests, held blocks (see kv_transfer_tracker.py).
@@ -119,13 +122,14 @@ class Scheduler:
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
         any_preempted = False
+        loras = LoRABatchLimit(self.max_loras)
 
         running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
         req_index = 0
         while req_index < len(running) and budget > 0:
             request = running[req_index]
             num_new_tokens = self._num_tokens_to_schedule(request, budget)
-            if num_new_tokens == 0:
+            if num_new_tokens == 0 or not loras.admits(request):
                 req_index += 1
                 continue
             drafts, lookahead = ([], 0) if self.drafts is None else self.drafts.plan(request, num_new_tokens, budget)
@@ -151,15 +155,20 @@ class Scheduler:
             if drafts:
                 spec_tokens[request.request_id] = drafts
             scheduled_running.append(request)
+            loras.add(request)
             budget -= num_new_tokens
             req_index += 1
 
         # Admitting while preempting would only thrash the pool.
+        skipped: list[tuple[RequestQueue, Request]] = []  # requests whose adapter finds no free slot this step
         while not any_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             queue = self.waiting if self.kv_transfers is None else self.kv_transfers.admission_queue(self.waiting)
             if not queue:
                 break
             request = queue.peek()
+            if not loras.admits(request):
+                skipped.append((queue, queue.pop()))
+                continue
             if request.request_id in self.kv_cache_manager.req_to_blocks:  # its external KV arrived into them
                 computed_blocks, num_computed_tokens = [], request.num_computed_tokens
             else:
@@ -190,14 +199,17 @@ class Scheduler:
             scheduled_new.append(request)
             if self.kv_transfers is not None:
                 self.kv_transfers.after_alloc(request)
+            loras.add(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             budget -= num_new_tokens
+        for queue, request in reversed(skipped):  # back in front of the queue they left, in their order
+            queue.add_preempted(request)
 
         output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
                                req.sampling_params, self.kv_cache_manager.get_block_ids(req.request_id),
-                               req.num_computed_tokens)
+                               req.num_computed_tokens, req.lora_request)
                 for req in scheduled_new],
             scheduled_cached_reqs=self._cached_request_data(scheduled_running, new_block_ids),
             num_scheduled_tokens=num_scheduled_tokens,

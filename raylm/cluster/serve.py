@@ -15,18 +15,23 @@ with `start_serve` (or a Serve config's `controller_options`) to give the proxy 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import ray
 from fastapi import FastAPI
 from ray import serve
+from starlette.types import Message
 
+from raylm.cluster.asgi_relay import RelayedRequest
 from raylm.cluster.async_llm import AsyncLLM
 from raylm.cluster.config_resolver import decide_device, resolve_routing_policy
 from raylm.cluster.default_model import served_model_name
+from raylm.cluster.lora_serve import LoRAIngress, ReplicaAdapters
 from raylm.cluster.openai.api_server import build_app as build_fastapi_app
+from raylm.cluster.openai.api_server import model_router
+from raylm.cluster.openai.lora_router import LoRAModelRouter
 from raylm.cluster.openai.metrics import PrometheusStatLogger
-from raylm.cluster.openai.router import EngineModelRouter
 from raylm.cluster.ray_metrics import RayPrometheusStatLogger
 from raylm.cluster.serve_handles import LLMServerHandles
 from raylm.cluster.serve_ingress import OpenAIIngress, ingress_options
@@ -49,8 +54,10 @@ SERVE_ENV_VARS = REPLICA_ENV_VARS | {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE
 
 
 class LLMEngineServer(LLMServerHandles):
-    """One replica, one engine, served through its handle methods (serve_handles.py) to an ingress in front: the
-    OpenAI ingress of replicas routed by prefix, the PD proxy. Serve allows one HTTP ingress per application."""
+    """One replica, one engine, the OpenAI app over it. Behind an ingress it answers handle calls: the OpenAI ingress
+    of replicas routed by prefix and the PD proxy (serve_handles.py), the LoRA ingress (`relay`, lora_serve.py); as
+    LLMServer it is the app's HTTP entry itself. /metrics answers from the replica that gets the request, its series
+    labelled with that replica's id; the same series go to Ray's metrics from every replica."""
 
     async def __init__(self, config: EngineConfig) -> None:
         replica = serve.get_replica_context().replica_id.unique_id
@@ -59,7 +66,16 @@ class LLMEngineServer(LLMServerHandles):
         ray_metrics = RayPrometheusStatLogger(model_name, replica)
         self.engine = AsyncLLM(config, stat_loggers=[self.metrics, ray_metrics])
         await self.engine.wait_until_ready()
-        self.api_key = config.serving_config.api_key
+        router = self.router = model_router(self.engine)
+        self.asgi_app = build_fastapi_app(router, config.serving_config.api_key, self.metrics)
+        self.adapters = (ReplicaAdapters(router.models, config.lora_config.max_loras, replica)
+                         if isinstance(router, LoRAModelRouter) else None)
+
+    async def relay(self, request: RelayedRequest) -> AsyncGenerator[Message, None]:
+        """A request the LoRA ingress handed to this replica (raylm/cluster/lora_serve.py)."""
+        assert self.adapters is not None, "requests are relayed only with enable_lora"
+        async for message in self.adapters.relay(self.asgi_app, request):
+            yield message
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -70,11 +86,10 @@ class LLMEngineServer(LLMServerHandles):
 
 @serve.ingress()
 class LLMServer(LLMEngineServer):
-    """One replica, one engine, the OpenAI app over it. /metrics answers from the replica that gets the request,
-    its series labelled with that replica's id; the same series go to Ray's metrics from every replica."""
+    """The replica as the app's HTTP entry: HTTP from Serve's proxy straight to it."""
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_fastapi_app(EngineModelRouter(self.engine), self.api_key, self.metrics)
+        return self.asgi_app
 
 
 def start_serve(host: str, port: int) -> None:
@@ -98,6 +113,16 @@ def build_openai_app(config: EngineConfig) -> serve.Application:
     config = dataclasses.replace(config, model_config=config.model_config.model_copy(
         update={"served_model_name": model_id}))
     name, options, serving = f"LLMServer:{model_id}", llm_server_options(config), config.serving_config
+    if config.lora_config.enable_lora:
+        if serving.max_replicas > 1 and config.routing_config.routing_policy == "prefix":
+            raise ValueError("routing_policy 'prefix' over Serve replicas cannot be combined with enable_lora: the "
+                             "LoRA ingress picks replicas by adapter (Serve's multiplexing); use routing_policy auto")
+        # One ingress per app: the replicas answer the LoRA ingress's handle calls only. Serve's multiplexed routing
+        # needs the adapter's name before a replica is chosen: the ingress reads it.
+        server = serve.deployment(LLMEngineServer).options(name=name, **options).bind(config)
+        return serve.deployment(LoRAIngress).options(
+            name=f"LoRAIngress:{model_id}", max_ongoing_requests=_MAX_ONGOING_REQUESTS,
+            ray_actor_options={"num_cpus": 0.5, "runtime_env": _replica_runtime_env()}).bind(server, model_id)
     if serving.max_replicas == 1 or resolve_routing_policy(config) == "load":
         return serve.deployment(LLMServer).options(name=name, **options).bind(config)
     routed = serve.deployment(LLMEngineServer).options(

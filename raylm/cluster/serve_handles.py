@@ -28,13 +28,7 @@ class LLMServerHandles:
 
     engine: Any
     metrics: Any
-
-    @property
-    def _router(self) -> EngineModelRouter:
-        router = getattr(self, "_handle_router", None)
-        if router is None:
-            router = self._handle_router = EngineModelRouter(self.engine)
-        return router
+    router: EngineModelRouter  # the replica's own: with enable_lora, its adapters are models too
 
     async def openai_stream(self, kind: str, request: OpenAIRequest) -> AsyncGenerator[tuple[str, Any], None]:
         try:
@@ -68,7 +62,7 @@ class LLMServerHandles:
         return getattr(response, "kv_transfer_params", None)
 
     async def model_cards(self) -> list[ModelCard]:
-        return await self._router.list_models()
+        return await self.router.list_models()
 
     async def metrics_text(self) -> bytes:
         return self.metrics.exposition()
@@ -81,9 +75,9 @@ class LLMServerHandles:
     async def _serve(self, kind: str, request: OpenAIRequest) -> ServingResult:
         if kind == "chat":
             assert isinstance(request, ChatCompletionRequest)
-            return await self._router.chat(request)
+            return await self.router.chat(request)
         assert kind == "completions" and isinstance(request, CompletionRequest)
-        return await self._router.completions(request)
+        return await self.router.completions(request)
 
 
 class HandleModelRouter:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from raylm.common.kv_transfer import KVConnectorMetadata, KVConnectorOutput
+from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 
 # A draft token of `SchedulerOutput.scheduled_spec_decode_tokens` that the runner fills in with its own proposal.
@@ -28,6 +29,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -126,6 +126,20 @@ class SpeculativeConfig(_Section):
         None, ge=1, description="draft_model: its TP size; it runs on the target's workers, so the target's")
 
 
+class LoRAConfig(_Section):
+    enable_lora: bool = Field(False, description="serve LoRA adapters (PEFT checkpoints) beside the base model")
+    max_loras: int = Field(1, ge=1, description="enable_lora: adapters in one batch (the device slots)")
+    max_lora_rank: int = Field(16, ge=1, description="enable_lora: the largest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="enable_lora: adapters kept in host memory, least recently used evicted; "
+                                "default max_loras")
+    lora_modules: list[str] | None = Field(
+        None, description="enable_lora: adapters registered at start-up, each name=path (a PEFT folder)")
+    dynamic_lora_loading_path: str | None = Field(
+        None, description="enable_lora: a folder of PEFT adapters (one sub-folder each, named as the adapter); a "
+                          "request naming one that is not loaded loads it (the OpenAI server, Ray Serve)")
+
+
 SECTIONS: dict[str, type[BaseModel]] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
@@ -136,6 +150,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "observability_config": ObservabilityConfig,
     "kv_transfer_config": KVTransferConfig,
     "routing_config": RoutingConfig,
+    "lora_config": LoRAConfig,
 }
 
 
@@ -168,6 +183,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
     routing_config: RoutingConfig = field(default_factory=RoutingConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     resolved: ResolvedConfig | None = None
 
     @property

@@ -12,6 +12,8 @@ RAYLM_CACHE_DIR = "RAYLM_CACHE_DIR"
 RAYLM_PLACEMENT_GROUP_TIMEOUT_S = "RAYLM_PLACEMENT_GROUP_TIMEOUT_S"
 # vLLM's VLLM_SERVER_DEV_MODE: development-only routes (/sleep, /wake_up, /is_sleeping) on the OpenAI server.
 RAYLM_SERVER_DEV_MODE = "RAYLM_SERVER_DEV_MODE"
+# vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (also honoured): /v1/load_lora_adapter and /v1/unload_lora_adapter.
+RAYLM_ALLOW_RUNTIME_LORA_UPDATING = "RAYLM_ALLOW_RUNTIME_LORA_UPDATING"
 # vLLM's PG_WAIT_TIMEOUT: a cluster may be scaling up to fit the group.
 DEFAULT_PLACEMENT_GROUP_TIMEOUT_S = 1800.0
 
@@ -37,6 +39,13 @@ def placement_group_timeout_s() -> float:
     if not seconds > 0:
         raise ValueError(f"{RAYLM_PLACEMENT_GROUP_TIMEOUT_S} must be a number of seconds > 0, got {value!r}")
     return seconds
+
+
+def runtime_lora_updating() -> bool:
+    """Whether the OpenAI server loads and unloads LoRA adapters over HTTP: RAYLM_ALLOW_RUNTIME_LORA_UPDATING (or
+    vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) is 1 or true."""
+    return any(os.environ.get(name, "0").strip().lower() in ("1", "true")
+               for name in (RAYLM_ALLOW_RUNTIME_LORA_UPDATING, "VLLM_ALLOW_RUNTIME_LORA_UPDATING"))
 
 
 def server_dev_mode() -> bool:

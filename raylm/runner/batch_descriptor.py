@@ -23,6 +23,7 @@ class BatchDescriptor:
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
     should_ubatch: bool = False
     num_tokens_across_dp: list[int] | None = None  # padded tokens of every DP rank; None without lock-step DP
+    has_lora: bool = False  # a token of the batch runs through a LoRA adapter
 
     def __post_init__(self) -> None:
         assert 0 < self.num_tokens <= self.num_tokens_padded, (self.num_tokens, self.num_tokens_padded)

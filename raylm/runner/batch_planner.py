@@ -31,20 +31,22 @@ class BatchPlanner:
         """Whether each decision is agreed with the other DP ranks (lock-step data parallel)."""
         return self.dp_group.world_size > 1
 
-    def determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int,
-                                              uniform_decode: bool) -> BatchDescriptor:
+    def determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
+                                              has_lora: bool = False) -> BatchDescriptor:
         """The CUDA-graph mode and padded size from the dispatcher and (lock-step DP) whether this rank wants
         micro-batches; DP ranks then agree on one plan: the lowest mode, every rank padded to the largest size when
         graphs or micro-batches need equal sizes, micro-batches only if every rank wants them and neither side of
         the cut is empty anywhere."""
-        cudagraph_mode, num_tokens_padded = self.dispatcher.dispatch(num_tokens, uniform_decode)
+        cudagraph_mode, num_tokens_padded = self.dispatcher.dispatch(num_tokens, uniform_decode, has_lora)
         dp = self.dp_group
         if dp.world_size == 1:
-            return BatchDescriptor(num_tokens, num_tokens_padded, num_reqs, uniform_decode, cudagraph_mode)
+            return BatchDescriptor(num_tokens, num_tokens_padded, num_reqs, uniform_decode, cudagraph_mode,
+                                   has_lora=has_lora)
         wants_ubatch = check_ubatch_thresholds(self.parallel_config, num_tokens, uniform_decode)
         decision = coordinate_batch_across_dp(num_tokens, num_tokens_padded, wants_ubatch, cudagraph_mode, dp)
         return BatchDescriptor(num_tokens, decision.num_tokens_across_dp[dp.rank_in_group], num_reqs, uniform_decode,
-                               decision.cudagraph_mode, decision.should_ubatch, decision.num_tokens_across_dp)
+                               decision.cudagraph_mode, decision.should_ubatch, decision.num_tokens_across_dp,
+                               has_lora)
 
 
 def log_batch_execution(descriptor: BatchDescriptor, ubatch_slices: list[UBatchSlice] | None) -> None:

@@ -88,10 +88,11 @@ class CudagraphDispatcher:
         """The smallest capture size >= num_tokens (num_tokens <= max_capture_size)."""
         return self.capture_sizes[bisect.bisect_left(self.capture_sizes, num_tokens)]
 
-    def dispatch(self, num_tokens: int, uniform_decode: bool) -> tuple[CUDAGraphMode, int]:
+    def dispatch(self, num_tokens: int, uniform_decode: bool, has_lora: bool = False) -> tuple[CUDAGraphMode, int]:
         """(mode, padded token count), rounded up to the nearest capture size. Eager and unpadded: a batch larger
-        than the largest capture size, or whose mode is NONE (FULL is for uniform decode batches only)."""
-        mode = self.decode_mode if uniform_decode else self.mixed_mode
+        than the largest capture size, or whose mode is NONE (FULL is for uniform decode batches only). Graphs are
+        captured without LoRA: a batch with adapters (has_lora, part of the key as in vLLM) runs eagerly."""
+        mode = CUDAGraphMode.NONE if has_lora else self.decode_mode if uniform_decode else self.mixed_mode
         if mode == CUDAGraphMode.NONE or num_tokens > self.max_capture_size:
             return CUDAGraphMode.NONE, num_tokens
         padded = self.padded_size(num_tokens)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +87,9 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: no logprobs
         self.has_logit_bias = np.zeros(max_num_reqs, dtype=bool)
+        # Each row's adapter id (0: the base model), and the adapters by id (vLLM's request_lora_mapping).
+        self.request_lora_mapping = np.zeros(max_num_reqs, dtype=np.int64)
+        self.lora_id_to_request: dict[int, LoRARequest] = {}
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         self.output_token_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
 
@@ -127,6 +132,10 @@ class InputBatch:
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.has_logit_bias[row] = bool(params.logit_bias)
+        lora = state.lora_request
+        self.request_lora_mapping[row] = 0 if lora is None else lora.lora_int_id
+        if lora is not None:
+            self.lora_id_to_request[lora.lora_int_id] = lora
         self.sampling_params[row] = params
         # Shared with CachedRequestState so tokens appended by either side are seen by both.
         self.output_token_ids[row] = state.output_token_ids
@@ -140,6 +149,10 @@ class InputBatch:
         self.rows_version += 1
         self.sampling_params[row] = None
         self.output_token_ids[row] = []
+        lora_id = int(self.request_lora_mapping[row])
+        self.request_lora_mapping[row] = 0
+        if lora_id and not (self.request_lora_mapping == lora_id).any():  # forget adapters no row uses
+            del self.lora_id_to_request[lora_id]
         self._holes.append(row)
         # Highest hole last, so add_request reuses the lowest free row first.
         self._holes.sort(reverse=True)
@@ -181,8 +194,9 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
         for array in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens_cpu, self.min_tokens,
-                      self.num_logprobs, self.has_logit_bias):
+                      self.num_logprobs, self.has_logit_bias, self.request_lora_mapping):
             array[dst] = array[src]
+        self.request_lora_mapping[src] = 0  # the free row holds no adapter
         self.block_table.move_row(src, dst)
         for tensor in (self.temperature, self.top_k, self.top_p, self.min_p, self.seeds,
                        self.presence_penalties, self.frequency_penalties, self.repetition_penalties):

@@ -40,6 +40,7 @@ from raylm.runner.kv_transfer.model_runner_hooks import (
     kv_connector_step,
 )
 from raylm.runner.layers.attention import Attention
+from raylm.runner.lora.worker_manager import LoRAManager
 from raylm.runner.models.loader import load_model, reload_weights
 from raylm.runner.parallel_state import get_dp_group, get_pp_group
 from raylm.runner.profile_run import ProfileRun
@@ -100,6 +101,7 @@ class ModelRunner:
         self.planner: BatchPlanner | None = None
         self.graphs: DecodeGraphs | None = None
         self.sleep_mode: SleepMode | None = None  # once the KV cache exists
+        self.lora_manager: LoRAManager | None = None  # with enable_lora, once the model is loaded
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connector: KVConnectorBase | None = None  # the worker side of a kv_connector, once the cache exists
         self.execute_model_state: ExecuteModelState | None = None
@@ -114,6 +116,9 @@ class ModelRunner:
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
                                 partition=self.config.parallel_config.pp_layer_partition)
         self.model.register_forward_pre_hook(CountForwards(self.counts))
+        if self.config.lora_config.enable_lora:
+            self.lora_manager = LoRAManager(self.model, self.config.lora_config, self.buffers.max_num_tokens,
+                                            self.dtype, self.device)
         why_not_full = why_no_full_graphs(self.model_info.is_moe, pp.world_size > 1, self.device, self.dtype,
                                           self.attn_backend, self.uniform_decode_query_len)
         dispatcher = CudagraphDispatcher(self.config.compilation_config, self.config.scheduler_config,
@@ -183,9 +188,12 @@ class ModelRunner:
             drafts = (None if self.spec_decoder is None
                       else self.spec_decoder.prepare_drafts(scheduler_output, self.input_batch))
             inputs = self.buffers.prepare(scheduler_output, self.input_batch, drafts)
+            has_lora = self.lora_manager is not None and self.lora_manager.prepare(
+                self.input_batch.request_lora_mapping[:inputs.num_reqs], self.input_batch.lora_id_to_request,
+                np.diff(self.buffers.query_start_loc.np[:inputs.num_reqs + 1]))
         with kv_connector_step(self.kv_connector, scheduler_output) as kv_connector_output:
             output = self._run_forward(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode, inputs.common,
-                                       intermediate_tensors)
+                                       intermediate_tensors, has_lora)
         if not pp.is_last_rank:
             return output
         assert isinstance(output, torch.Tensor)
@@ -250,7 +258,8 @@ class ModelRunner:
 
         for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
-                                       new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+                                       new.sampling_params, list(new.block_ids), new.num_computed_tokens,
+                                       new.lora_request)
             self.requests[new.req_id] = state
             batch.add_request(state)
             self.prompt_logprobs.add_request(new)
@@ -290,7 +299,8 @@ class ModelRunner:
 
     def _run_forward(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
                      common: CommonAttentionMetadata | None,
-                     intermediate_tensors: IntermediateTensors | None) -> torch.Tensor | IntermediateTensors:
+                     intermediate_tensors: IntermediateTensors | None,
+                     has_lora: bool = False) -> torch.Tensor | IntermediateTensors:
         """The one call of the model, always after the batch decision (so after the DP coordination). The first
         `num_tokens` input rows are written; padding rows are filled here. `common` None: a dummy batch. A later
         pipeline stage without received tensors (dummy and profile runs: no stage-to-stage traffic) runs on zeros."""
@@ -298,7 +308,7 @@ class ModelRunner:
         assert model is not None and planner is not None and graphs is not None, "load_model first"
         assert not self.is_sleeping(), "a forward while the weights or the KV cache are freed (sleep mode)"
         with tracing.span("batch_decision", dp_sync=planner.coordinates):
-            descriptor = planner.determine_batch_execution_and_padding(num_tokens, num_reqs, uniform_decode)
+            descriptor = planner.determine_batch_execution_and_padding(num_tokens, num_reqs, uniform_decode, has_lora)
         n = descriptor.num_tokens_padded
         if n > num_tokens:
             buffers.pad(num_tokens, n)

@@ -10,9 +10,11 @@ from typing import Any
 import torch
 
 from raylm.common import tracing
+from raylm.common.lora_request import LoRARequest
 from raylm.common.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
+from raylm.runner.lora.worker_manager import LoRAManager
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.parallel_state import (
     get_dp_group,
@@ -205,6 +207,22 @@ class Worker:
                 "captured": dict(graphs.num_captures) if graphs is not None else {},
                 "replayed": dict(graphs.num_replays) if graphs is not None else {},
                 "forwards": runner.forward_log.drain()}
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into this rank's host cache (vLLM's Worker.add_lora); False if it was there."""
+        return self._lora_manager().add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora_manager().list_loras()
+
+    def _lora_manager(self) -> LoRAManager:
+        manager = self._runner().lora_manager
+        if manager is None:
+            raise ValueError("LoRA is not enabled (enable_lora=False)")
+        return manager
 
     def has_unfinished_across_dp(self, has_unfinished: bool) -> bool:
         """Whether any lock-step DP engine still has requests: every DP rank asks at the same step, so this collective

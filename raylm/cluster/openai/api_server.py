@@ -7,7 +7,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from http import HTTPStatus
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -19,6 +19,8 @@ from raylm.cluster.async_llm import AsyncLLM
 from raylm.cluster.default_model import served_model_name
 from raylm.cluster.openai.dev_endpoints import include_dev_endpoints
 from raylm.cluster.openai.errors import OpenAIError, error_json, error_response, install_error_handlers
+from raylm.cluster.openai.lora_endpoints import include_lora_endpoints
+from raylm.cluster.openai.lora_router import LoRAModelRouter
 from raylm.cluster.openai.metrics import PrometheusStatLogger
 from raylm.cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from raylm.cluster.openai.router import EngineModelRouter, ModelRouter, ServingResult
@@ -36,7 +38,7 @@ def build_app(router: ModelRouter, api_key: str | None = None, metrics: Promethe
               lifespan: Lifespan | None = None) -> FastAPI:
     app = FastAPI(title="raylm", docs_url=None, redoc_url=None, lifespan=lifespan)
     install_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key(api_key))] if api_key else [])
+    v1 = APIRouter(prefix="/v1", dependencies=v1_dependencies(api_key))
 
     @app.get("/health")
     async def health() -> Response:
@@ -84,8 +86,11 @@ def build_engine_app(config: EngineConfig) -> tuple[FastAPI, AsyncLLM]:
         yield
         engine.shutdown()
 
-    app = build_app(EngineModelRouter(engine), config.serving_config.api_key, metrics, stop_engine_on_exit)
+    router = model_router(engine)
+    app = build_app(router, config.serving_config.api_key, metrics, stop_engine_on_exit)
     include_dev_endpoints(app, engine)  # only under RAYLM_SERVER_DEV_MODE=1
+    if isinstance(router, LoRAModelRouter):  # only under RAYLM_ALLOW_RUNTIME_LORA_UPDATING=1
+        include_lora_endpoints(app, router.models, v1_dependencies(config.serving_config.api_key))
     return app, engine
 
 
@@ -116,6 +121,15 @@ def run_server(config: EngineConfig) -> int:
 
     asyncio.run(main())
     return 1 if failed else 0
+
+
+def v1_dependencies(api_key: str | None) -> list[Any]:
+    return [Depends(_require_api_key(api_key))] if api_key else []
+
+
+def model_router(engine: AsyncLLM) -> EngineModelRouter:
+    """The router of an engine in this process: its adapters are models too when LoRA is enabled."""
+    return LoRAModelRouter(engine) if engine.config.lora_config.enable_lora else EngineModelRouter(engine)
 
 
 async def _respond(result: Awaitable[ServingResult], raw_request: Request) -> Response:

@@ -43,6 +43,7 @@ class LinearBase(CpuGemmMixin, nn.Module):
         self.weight = set_weight_loader(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False),
                                         self.weight_loader)
         self.bias = None
+        self.lora: nn.Module | None = None  # LoRA slots (raylm/runner/lora/layers.py), when LoRA is enabled
         if bias:
             self.bias = set_weight_loader(nn.Parameter(torch.empty(out_features), requires_grad=False),
                                           self.weight_loader)
@@ -69,6 +70,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.add_to(y, x)
         return get_tp_group().all_gather(y) if self.gather_output else y
 
 
@@ -147,4 +150,6 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias joins on one rank only, so the all-reduce adds it once.
         y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
+        if self.lora is not None:
+            self.lora.add_to(y, x)
         return get_tp_group().all_reduce(y) if self.reduce_results else y

@@ -52,7 +52,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.shape[0] > self.cpu_chunk_tokens:
+        # Not under LoRA: its per-token adapter mask covers the whole batch, not a chunk of it.
+        if x.device.type == "cpu" and x.shape[0] > self.cpu_chunk_tokens and self.gate_up_proj.lora is None:
             return torch.cat([self._forward(chunk) for chunk in x.split(self.cpu_chunk_tokens)])
         return self._forward(x)
 

@@ -1,0 +1,97 @@
+"""The LoRA slots of one tensor-parallel linear (vLLM's *WithLoRA layers), hooked onto the layer as `layer.lora`.
+
+A column-parallel layer (QKVParallelLinear, MergedColumnParallelLinear gate_up) keeps lora_a whole and its lora_b
+rows sharded like the base weight's, slice by slice (q/k/v by heads, KV heads replicated past their count; gate/up by
+halves). A row-parallel layer (o_proj, down_proj) takes its input already split: lora_a is sharded along the input
+like the base weight, lora_b kept whole, and the partial products join the base's partial sums before the layer's
+one all-reduce, since (sum_r x_r A_r^T) B^T is what the full input gives.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raylm.runner.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from raylm.runner.lora.punica import PunicaWrapper
+
+
+class LoRASlots(nn.Module):
+    """max_loras device slots of max_lora_rank for one linear layer, filled in place (the step never allocates)."""
+
+    def __init__(self, layer: LinearBase, punica: PunicaWrapper, max_loras: int, max_rank: int) -> None:
+        super().__init__()
+        self.punica, self.max_loras, self.max_rank = punica, max_loras, max_rank
+        self.tp_rank, self.tp_size = layer.tp_rank, layer.tp_size
+        self.row_parallel = isinstance(layer, RowParallelLinear)
+        out_local, in_local = layer.weight.shape
+        self.output_slices = _output_slices(layer)
+        # Where each slice's full lora_b rows start and how they shard: (full offset of this rank's rows, local size).
+        self._shards = _lora_b_shards(layer)
+        device, dtype = layer.weight.device, layer.weight.dtype
+        num_slices = len(self.output_slices)
+        self.register_buffer("lora_a", torch.zeros(num_slices * max_loras * max_rank, in_local, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.lora_b = [torch.zeros(max_loras * max_rank, size, dtype=dtype, device=device)
+                       for _, size in self.output_slices]
+        for i, tensor in enumerate(self.lora_b):
+            self.register_buffer(f"lora_b_{i}", tensor, persistent=False)
+        assert sum(size for _, size in self.output_slices) == out_local
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y (the layer's output on this rank, before any all-reduce) += the LoRA product of x, per token's slot."""
+        if self.punica.has_lora:
+            self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b, self.output_slices, self.max_rank)
+
+    def set_lora(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Fill `slot` with one (lora_a [r, in], lora_b [out, r]) per output slice, full (unsharded) tensors, or None
+        for a slice the adapter does not target; a rank below max_rank leaves the rest zero."""
+        self.reset_lora(slot)
+        num_slices, max_loras, rank = len(self.output_slices), self.max_loras, self.max_rank
+        a_view = self.lora_a.view(num_slices, max_loras, rank, -1)
+        for i, pair in enumerate(weights):
+            if pair is None:
+                continue
+            lora_a, lora_b = pair
+            r = lora_a.shape[0]
+            if self.row_parallel:
+                size = a_view.shape[-1]
+                lora_a = lora_a.narrow(1, self.tp_rank * size, size)
+            else:
+                start, size = self._shards[i]
+                lora_b = lora_b.narrow(0, start, size)
+            a_view[i, slot, :r].copy_(lora_a)
+            self.lora_b[i].view(max_loras, rank, -1)[slot, :r].copy_(lora_b.t())
+
+    def reset_lora(self, slot: int) -> None:
+        num_slices = len(self.output_slices)
+        self.lora_a.view(num_slices, self.max_loras, self.max_rank, -1)[:, slot].zero_()
+        for tensor in self.lora_b:
+            tensor.view(self.max_loras, self.max_rank, -1)[slot].zero_()
+
+
+def _output_slices(layer: LinearBase) -> list[tuple[int, int]]:
+    """(offset, size) of each packed output in the layer's local output: q/k/v, gate/up, or the whole."""
+    if isinstance(layer, QKVParallelLinear):
+        q, kv = layer.num_heads * layer.head_size, layer.num_kv_heads * layer.head_size
+        return [(0, q), (q, kv), (q + kv, kv)]
+    if isinstance(layer, MergedColumnParallelLinear):
+        sizes = [size // layer.tp_size for size in layer.output_sizes]
+        return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+    return [(0, layer.weight.shape[0])]
+
+
+def _lora_b_shards(layer: LinearBase) -> list[tuple[int, int]]:
+    """Per output slice: (first row of this rank's shard in the slice's full lora_b, rows), as the base weight."""
+    if isinstance(layer, QKVParallelLinear):
+        q, kv = layer.num_heads * layer.head_size, layer.num_kv_heads * layer.head_size
+        kv_rank = layer.tp_rank // layer.num_kv_head_replicas
+        return [(layer.tp_rank * q, q), (kv_rank * kv, kv), (kv_rank * kv, kv)]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return [(layer.tp_rank * size // layer.tp_size, size // layer.tp_size) for size in layer.output_sizes]
+    out_local = layer.weight.shape[0]
+    return [(0 if isinstance(layer, RowParallelLinear) else layer.tp_rank * out_local, out_local)]

@@ -1,0 +1,230 @@
+"""Multi-LoRA serving checked against PEFT: one batch mixing the base model and three adapters (rslora, q/v-only and
+all seven linears; ranks 4 to 8) gives PEFT's greedy outputs per request, under preemption, with fewer device slots
+than adapters, under TP=2; the host cache evicts and reloads without changing outputs; prefix caching never crosses
+adapters; bad adapters fail with clear errors and leave the loaded ones working."""
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from raylm.cluster import LLM, SamplingParams
+from raylm.common.lora_request import LoRARequest
+from raylm.runner.input_batch import CachedRequestState, InputBatch
+from raylm.runner.lora.punica import PunicaWrapper
+from raylm.runner.lora.worker_manager import LoRAManager
+from tests.lora_utils import make_adapter, peft_greedy
+from tests.reference import TOP_K, check_logprobs_close
+
+MAX_TOKENS = 10
+ENGINE = dict(max_model_len=128, block_size=4, disable_log_stats=True, enable_lora=True, max_lora_rank=8)
+Result = list[tuple[list[int], list[dict[int, float]]]]
+
+
+def make_prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(5, 512) for _ in range(n)] for n in (3, 9, 17)]
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "all": make_adapter(llama_path, root / "all", seed=1, r=8),
+        "qv-rslora": make_adapter(llama_path, root / "qv-rslora", seed=2, r=4, lora_alpha=8,
+                                  target_modules=["q_proj", "v_proj"], use_rslora=True),
+        "mlp": make_adapter(llama_path, root / "mlp", seed=3, r=6, target_modules=["gate_proj", "down_proj", "o_proj"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_requests(adapters: dict[str, Path]) -> list[LoRARequest | None]:
+    """The mixed batch's adapters, one request group each: the base model, then the three adapters."""
+    return [None] + [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_path: Path, lora_requests: list[LoRARequest | None]) -> Result:
+    """PEFT's greedy outputs for every (adapter, prompt) pair of the mixed batch."""
+    results: Result = []
+    for lora in lora_requests:
+        results += peft_greedy(llama_path, None if lora is None else Path(lora.lora_path), make_prompts(), MAX_TOKENS)
+    return results
+
+
+def generate(llm: LLM, lora_requests: list[LoRARequest | None]) -> Result:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
+    prompts = [{"prompt_token_ids": p} for _ in lora_requests for p in make_prompts()]
+    per_prompt = [lora for lora in lora_requests for _ in make_prompts()]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def lora_managers(llm: LLM) -> list[LoRAManager]:
+    return llm.collective_rpc(lambda worker: worker.model_runner.lora_manager)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_loras=3),  # the base model and all three adapters in one batch
+    dict(max_loras=3, num_gpu_blocks_override=14),  # a KV pool too small for the batch: preemption
+    dict(max_loras=1, max_cpu_loras=2),  # one device slot: the scheduler defers the other adapters
+], ids=["mixed", "preemption", "one-slot"])
+def test_mixed_batch_matches_peft(llama_path: Path, lora_requests: list[LoRARequest | None], reference: Result,
+                                  settings: dict[str, Any]) -> None:
+    llm = LLM(model=str(llama_path), **ENGINE, **settings)
+    ours = generate(llm, lora_requests)
+    assert check_logprobs_close(reference, ours, "lora") <= 1
+    scheduler = llm.llm_engine.engine_core.scheduler
+    if "num_gpu_blocks_override" in settings:
+        assert scheduler.num_preemptions > 0
+    (manager,) = lora_managers(llm)
+    assert manager.slot_ids.count(None) + len([i for i in manager.slot_ids if i is not None]) == settings["max_loras"]
+    llm.shutdown()
+
+
+def test_adapters_change_the_output(llama_path: Path, lora_requests: list[LoRARequest | None],
+                                    reference: Result) -> None:
+    """The oracle is not vacuous: each adapter's greedy tokens differ from the base model's on some prompt."""
+    num_prompts = len(make_prompts())
+    base = [tokens for tokens, _ in reference[:num_prompts]]
+    for i in range(1, len(lora_requests)):
+        assert [tokens for tokens, _ in reference[i * num_prompts:(i + 1) * num_prompts]] != base
+
+
+def test_lru_cache_evicts_and_reloads(llama_path: Path, lora_requests: list[LoRARequest | None],
+                                      reference: Result) -> None:
+    """One slot and one adapter in host memory: every switch of adapter reads it from disk again, outputs unchanged."""
+    llm = LLM(model=str(llama_path), **ENGINE, max_loras=1, max_cpu_loras=1)
+    num_prompts = len(make_prompts())
+    for _ in range(2):
+        for i, lora in enumerate(lora_requests[1:], start=1):
+            ours = generate(llm, [lora])
+            assert check_logprobs_close(reference[i * num_prompts:(i + 1) * num_prompts], ours, lora.lora_name) <= 1
+    (manager,) = lora_managers(llm)
+    assert manager.num_disk_loads == 6 and len(manager.cpu_cache) == 1
+    assert llm.list_loras() == {lora_requests[-1].lora_int_id}
+    assert llm.remove_lora(lora_requests[-1].lora_int_id) and llm.list_loras() == set()
+    llm.shutdown()
+
+
+def test_prefix_cache_never_crosses_adapters(llama_path: Path, lora_requests: list[LoRARequest | None],
+                                             reference: Result) -> None:
+    llm = LLM(model=str(llama_path), **ENGINE, max_loras=3, enable_prefix_caching=True)
+    manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    num_prompts = len(make_prompts())
+    for i, lora in enumerate(lora_requests):  # one at a time: every prompt's blocks are cached before the next
+        hits = manager.prefix_cache_hits
+        ours = generate(llm, [lora])
+        assert manager.prefix_cache_hits == hits, "a prompt computed under another adapter was reused"
+        assert check_logprobs_close(reference[i * num_prompts:(i + 1) * num_prompts], ours, f"group {i}") <= 1
+    hits = manager.prefix_cache_hits
+    assert check_logprobs_close(reference[num_prompts:2 * num_prompts], generate(llm, [lora_requests[1]]), "again") <= 1
+    assert manager.prefix_cache_hits > hits, "the same adapter and prompt again hits its own blocks"
+    llm.shutdown()
+
+
+def test_bad_adapters_are_refused(llama_path: Path, adapters: dict[str, Path], tmp_path: Path,
+                                  lora_requests: list[LoRARequest | None], reference: Result) -> None:
+    llm = LLM(model=str(llama_path), **ENGINE, max_loras=2, lora_modules=[f"all={adapters['all']}"])
+    other_base = make_adapter_for_other_model(tmp_path)
+    head = make_adapter(llama_path, tmp_path / "head", seed=4, r=4, target_modules=["q_proj", "lm_head"])
+    big = make_adapter(llama_path, tmp_path / "big", seed=5, r=16)
+    cases = {
+        "over max_lora_rank (8)": LoRARequest("big", 10, str(big)),
+        "not LoRA-capable modules": LoRARequest("head", 11, str(head)),
+        "trained for another base model": LoRARequest("other", 12, str(other_base)),
+        "is not a PEFT adapter folder": LoRARequest("missing", 13, str(tmp_path / "nowhere")),
+        "already adapter 'all'": LoRARequest("again", 1, str(big)),
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    for message, lora in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.generate([{"prompt_token_ids": [5, 6]}], params, use_tqdm=False, lora_request=lora)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.add_lora(lora)
+    with pytest.raises(ValueError, match="no adapter of that name"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], params, use_tqdm=False, lora_request="unknown")
+    # The adapter loaded at start-up still serves, by name, as PEFT does.
+    ours = generate(llm, ["all"])  # type: ignore[list-item]
+    num_prompts = len(make_prompts())
+    assert check_logprobs_close(reference[num_prompts:2 * num_prompts], ours, "all") <= 1
+    llm.shutdown()
+
+
+def make_adapter_for_other_model(tmp_path: Path) -> Path:
+    from raylm.cluster.tiny_model import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "other", num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=512)
+    return make_adapter(other, tmp_path / "other-adapter", seed=6, r=4)
+
+
+def test_lora_settings_are_checked(llama_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_loras: LoRA settings need enable_lora=True"):
+        LLM(model=str(llama_path), max_loras=2)
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
+        LLM(model=str(llama_path), enable_lora=True, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="is not name=path"):
+        LLM(model=str(llama_path), enable_lora=True, lora_modules=["no-path"])
+    llm = LLM(model=str(llama_path), max_model_len=64, disable_log_stats=True)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        llm.generate([{"prompt_token_ids": [5]}], use_tqdm=False, lora_request=LoRARequest("a", 1, "/tmp/a"))
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_peft(ray_cluster: Any, llama_path: Path, lora_requests: list[LoRARequest | None],
+                                      reference: Result) -> None:
+    """TP=2: lora_b sharded like the column-parallel weights, lora_a like the row-parallel ones."""
+    llm = LLM(model=str(llama_path), tensor_parallel_size=2, distributed_executor_backend="ray", max_loras=3,
+              num_gpu_blocks_override=14, **ENGINE)
+    ours = generate(llm, lora_requests)
+    assert check_logprobs_close(reference, ours, "lora tp2") <= 1
+    shapes = llm.collective_rpc(lambda worker: tuple(
+        worker.model_runner.model.model.layers[0].self_attn.qkv_proj.lora.lora_b_1.shape))
+    assert shapes[0] == shapes[1] == (3 * 8, 32)  # k: one of the two KV heads (head_dim 32) per rank
+    llm.shutdown()
+
+
+def test_lora_product_matches_the_loop_over_tokens() -> None:
+    """The batched shrink/expand equals x @ A[slot].T @ B[slot].T token by token, and adds exact zeros for base."""
+    torch.manual_seed(0)
+    max_loras, rank, tokens = 3, 4, 7
+    punica = PunicaWrapper(16, max_loras, torch.float32, torch.device("cpu"))
+    slots = [0, 2, -1, 1, 1, -1, 0]
+    punica.update(np.array(slots))
+    a = torch.randn(2 * max_loras * rank, 5)  # two output slices of 3 and 6
+    b = [torch.randn(max_loras * rank, 3), torch.randn(max_loras * rank, 6)]
+    x, y = torch.randn(tokens, 5), torch.randn(tokens, 9)
+    expected = y.clone()
+    out = y.clone()
+    punica.add_lora_linear(out, x, a, b, [(0, 3), (3, 6)], rank)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        for i, (offset, size) in enumerate([(0, 3), (3, 6)]):
+            a_slot = a.view(2, max_loras, rank, 5)[i, slot]
+            b_slot = b[i].view(max_loras, rank, size)[slot]
+            expected[t, offset:offset + size] += x[t] @ a_slot.T @ b_slot
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out[2], y[2]) and torch.equal(out[5], y[5])
+
+
+def test_input_batch_rows_carry_their_adapter() -> None:
+    """Rows keep their adapter id through condense; an adapter no row uses any more is forgotten (no growth)."""
+    batch = InputBatch(max_num_reqs=4, max_model_len=32, max_blocks_per_req=8, vocab_size=100)
+    loras = [None, LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b"), LoRARequest("a", 1, "/a")]
+    for i, lora in enumerate(loras):
+        batch.add_request(CachedRequestState(f"r{i}", [5, 6], [], SamplingParams(seed=1), [i], 0, lora))
+    assert list(batch.request_lora_mapping[:4]) == [0, 1, 2, 1] and set(batch.lora_id_to_request) == {1, 2}
+    batch.remove_request("r1")
+    assert set(batch.lora_id_to_request) == {1, 2}  # r3 still uses adapter 1
+    batch.remove_request("r2")
+    batch.condense()
+    assert list(batch.request_lora_mapping[:batch.num_rows]) == [0, 1] and set(batch.lora_id_to_request) == {1}
+    batch.remove_request("r3")
+    assert batch.lora_id_to_request == {}
