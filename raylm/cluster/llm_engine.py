@@ -18,6 +18,7 @@ from raylm.cluster.engine_core import EngineCore
 from raylm.cluster.output_processor import OutputProcessor, RequestOutputKind
 from raylm.cluster.outputs import DPEngineDiedError, EngineSleepingError, RequestOutput
 from raylm.cluster.request import Request
+from raylm.cluster.structured_output import validate_structured_outputs
 from raylm.common import tracing
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig, make_engine_config
@@ -104,6 +105,9 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > vocab_size:
                 raise ValueError(f"SamplingParams.{name} must be <= the vocabulary size ({vocab_size}), got {value}")
+        if params.structured_outputs is not None:  # refused here, with what is unsupported, not in the engine
+            validate_structured_outputs(params.structured_outputs,
+                                        self.config.structured_outputs_config.structured_outputs_backend)
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError(f"priority {priority} is given but scheduling_policy is "
                              f"{self.config.scheduler_config.scheduling_policy!r}: set scheduling_policy='priority'")

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from raylm.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from raylm.cluster.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its grammar is still compiling (vLLM's name)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Every status after PREEMPTED is a finished one.
@@ -68,6 +73,8 @@ class Request:
         self.num_stale_steps = 0  # of those, steps scheduled before the last preemption (ignored)
         self.num_sent_tokens = 0  # token ids the runner has been sent (for send_token_ids)
         self.num_preemptions = 0
+        # Set by the StructuredOutputManager when sampling_params.structured_outputs asks for a grammar.
+        self.structured_output_request: StructuredOutputRequest | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raylm.common.structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -27,6 +29,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs of each sampled token (the token itself always)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (a grammar)
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from raylm.configs.structured_outputs_config import StructuredOutputsConfig
+
 if TYPE_CHECKING:
     from raylm.configs.model_info import ModelInfo
 
@@ -117,6 +119,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "compilation_config": CompilationConfig,
     "serving_config": ServingConfig,
     "observability_config": ObservabilityConfig,
+    "structured_outputs_config": StructuredOutputsConfig,
 }
 
 
@@ -145,6 +148,7 @@ class EngineConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     serving_config: ServingConfig = field(default_factory=ServingConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     resolved: ResolvedConfig | None = None
 
     @property
@@ -180,6 +184,10 @@ class EngineConfig:
                 f"the same here), or NONE")
         if self.cache_config.attention_backend == "cpu" and self.compilation_config.custom_ops == "none":
             raise ValueError("attention_backend 'cpu' needs raylm's CPU kernels, which custom_ops='none' turns off")
+        tools = self.structured_outputs_config
+        if tools.enable_auto_tool_choice != (tools.tool_call_parser is not None):
+            raise ValueError("enable_auto_tool_choice and tool_call_parser go together: tool_choice 'auto' parses "
+                             "the model's calls with that parser (--enable-auto-tool-choice --tool-call-parser hermes)")
         if self.serving_config.min_replicas > self.serving_config.max_replicas:
             raise ValueError(
                 f"min_replicas ({self.serving_config.min_replicas}) must be <= max_replicas "

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from raylm.common import tracing
-from raylm.common.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
+from raylm.common.outputs import GrammarOutput, IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.configs import EngineConfig
 from raylm.runner import cpu_kernels
 from raylm.runner.attention import get_attn_backend
@@ -40,6 +40,7 @@ from raylm.runner.prompt_logprobs import PromptLogprobsProcessor
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_lists
 from raylm.runner.sleep_mode import SleepMode
+from raylm.runner.structured_output import apply_grammar_bitmask
 from raylm.runner.ubatch_splitting import create_ubatch_slices
 from raylm.runner.ubatching import forward_in_ubatches
 
@@ -166,12 +167,14 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput | None:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
         state = self.execute_model_state
         if state is None:
             return None  # non-last pipeline stage, or execute_model already answered
         self.execute_model_state = None
         batch, rows = self.input_batch, state.sampling_rows
+        if grammar_output is not None:
+            apply_grammar_bitmask(state.logits, grammar_output, [batch.req_ids[row] for row in rows.tolist()])
         with tracing.span("sample"):
             sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
             sampled = to_host(sampler_output.sampled_token_ids)[0].tolist()  # the step's one host wait
