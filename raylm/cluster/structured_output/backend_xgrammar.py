@@ -42,6 +42,7 @@ class XgrammarBackend(StructuredOutputBackend):
         if tokenizer is not None:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
             self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
+            self.json_token_mask = _json_token_mask(info.decoded_vocab, vocab_size)
 
     def check(self, params: StructuredOutputsParams) -> None:
         kind = params.kind
@@ -82,7 +83,8 @@ class XgrammarBackend(StructuredOutputBackend):
             compiled = compiler.compile_grammar(params.grammar)
         else:
             compiled = compiler.compile_structural_tag(*self._structural_tag_args(params.structural_tag or ""))
-        return _XgrammarCompiled(compiled)
+        json_mask = self.json_token_mask if kind in ("json", "json_object") else None
+        return _XgrammarCompiled(compiled, json_mask)
 
     @staticmethod
     def _structural_tag_args(text: str) -> tuple[Any, ...]:
@@ -96,17 +98,32 @@ class XgrammarBackend(StructuredOutputBackend):
         return (json.dumps(tag),)
 
 
+def _json_token_mask(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
+    """Packed int32 [1, W]: the tokens without a raw control character, the only bytes JSON never allows unescaped
+    (outside strings only as whitespace, which a control character other than tab, CR or LF is not). xgrammar 0.2's
+    length-bounded strings (minLength / maxLength) let them through."""
+    allowed = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.bool)
+    for token_id, token in enumerate(decoded_vocab[:vocab_size]):
+        if any(byte < 0x20 and byte not in b"\t\n\r" for byte in token):
+            allowed[token_id] = False
+    weights = torch.tensor([1 << bit for bit in range(31)] + [-(1 << 31)], dtype=torch.int64)
+    packed = (allowed.view(-1, 32).long() * weights).sum(dim=1)
+    return packed.to(torch.int32)[None, :]
+
+
 class _XgrammarCompiled(CompiledGrammar):
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, token_mask: torch.Tensor | None) -> None:
         self.compiled = compiled
+        self.token_mask = token_mask
 
     def new_grammar(self) -> StructuredOutputGrammar:
-        return XgrammarGrammar(xgr.GrammarMatcher(self.compiled))
+        return XgrammarGrammar(xgr.GrammarMatcher(self.compiled), self.token_mask)
 
 
 class XgrammarGrammar(StructuredOutputGrammar):
-    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, token_mask: torch.Tensor | None = None) -> None:
         self.matcher = matcher
+        self.token_mask = token_mask  # ANDed into every bitmask row
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
         for i, token in enumerate(tokens):
@@ -120,6 +137,8 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, index)
+        if self.token_mask is not None:
+            bitmask[index : index + 1] &= self.token_mask
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()

@@ -1,5 +1,6 @@
 """Which JSON-schema keywords each backend enforces. xgrammar accepts many keywords it then ignores, which would let
-through output that does not validate: those schemas go to guidance (backend auto) or get a 400 (backend xgrammar)."""
+through output that does not validate: those schemas go to guidance (backend auto) or get a 400 (backend xgrammar).
+(llguidance refuses what it does not implement by itself.)"""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -9,7 +10,7 @@ from typing import Any
 XGRAMMAR_UNSUPPORTED_KEYWORDS = frozenset({
     "allOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "uniqueItems",
     "contains", "minContains", "maxContains", "minProperties", "maxProperties", "propertyNames",
-    "unevaluatedProperties", "unevaluatedItems",
+    "unevaluatedProperties", "unevaluatedItems", "multipleOf",
 })
 XGRAMMAR_FORMATS = frozenset({"date-time", "date", "time", "email", "uuid", "uri"})
 # Keywords whose value is a map of names to schemas, not a schema: their keys are property names, not keywords.
@@ -21,6 +22,9 @@ def xgrammar_unsupported(schema: Any) -> list[str]:
     found: list[str] = []
     for node in _subschemas(schema):
         found += sorted(XGRAMMAR_UNSUPPORTED_KEYWORDS & node.keys())
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and any(look in pattern for look in ("(?=", "(?!", "(?<=", "(?<!")):
+            found.append("look-around in pattern")
         fmt = node.get("format")
         if isinstance(fmt, str) and fmt not in XGRAMMAR_FORMATS:
             found.append(f"format {fmt!r}")
