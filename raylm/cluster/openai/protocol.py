@@ -10,6 +10,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from raylm.cluster.openai.protocol_tools import (
+    ChatCompletionTool,
+    DeltaToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolChoice,
+)
 from raylm.common.sampling_params import SamplingParams
 
 _SAMPLING_FIELDS = (
@@ -54,6 +62,13 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     priority: int | None = None  # with scheduling_policy "priority": smaller is served first
+    # Constrained output (cluster/openai/structured_outputs.py): at most one of these.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError on out-of-range values."""
@@ -90,6 +105,9 @@ class TextContentPart(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -105,6 +123,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # False: at most one call
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -161,7 +182,9 @@ class ChatLogprobs(OpenAIBaseModel):
 
 class AssistantMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(None, exclude_if=lambda value: value is None)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -184,6 +207,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=lambda role: role is None)  # first delta only
     content: str | None = None
+    reasoning_content: str | None = Field(None, exclude_if=lambda value: value is None)
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list, exclude_if=lambda calls: not calls)
 
 
 class ChatStreamChoice(OpenAIBaseModel):
