@@ -101,12 +101,16 @@ class StructuredOutputManager:
     # ---- one step -----------------------------------------------------------------------------
 
     def sampling_requests(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> list[str]:
-        """The constrained requests of a step that sample in it (a partial prefill does not), in schedule order."""
+        """The constrained requests of a step that sample in it (a partial prefill does not), in schedule order. Asked
+        right after schedule(): a sampling step has computed every known token, and under async scheduling every
+        pending one but its own (the placeholder it just added)."""
         ids = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
-            if (request is not None and request.structured_output_request is not None
-                    and request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders):
+            if request is None or request.structured_output_request is None:
+                continue
+            own_placeholder = 1 if request.num_output_placeholders else 0
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders - own_placeholder:
                 ids.append(req_id)
         return ids
 
