@@ -20,6 +20,7 @@ from raylm.cluster.default_model import served_model_name
 from raylm.cluster.openai.dev_endpoints import include_dev_endpoints
 from raylm.cluster.openai.errors import OpenAIError, error_json, error_response, install_error_handlers
 from raylm.cluster.openai.metrics import PrometheusStatLogger
+from raylm.cluster.openai.openapi import install_openapi
 from raylm.cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from raylm.cluster.openai.router import EngineModelRouter, ModelRouter, ServingResult
 from raylm.cluster.outputs import EngineDeadError
@@ -71,6 +72,7 @@ def build_app(router: ModelRouter, api_key: str | None = None, metrics: Promethe
         return await _respond(router.chat(request), raw_request)
 
     app.include_router(v1)
+    install_openapi(app, api_key=bool(api_key))
     return app
 
 
