@@ -176,6 +176,9 @@ def test_n_stop_strings_and_min_tokens_compose(llm: LLM) -> None:
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     completion = llm.generate(["Answer"], choice, use_tqdm=False)[0].outputs[0]
     assert completion.text in ("yes", "no") and completion.finish_reason == "stop"
+    nothing = SamplingParams(max_tokens=8, min_tokens=2, structured_outputs=StructuredOutputsParams(choice=[""]))
+    completion = llm.generate(["Answer"], nothing, use_tqdm=False)[0].outputs[0]
+    assert completion.token_ids == [] and completion.finish_reason == "stop"
     digits = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=6, logit_bias=closing_bias(
         llm.get_tokenizer(), llm.get_tokenizer().eos_token_id),
         structured_outputs=StructuredOutputsParams(regex="[0-9]{1,12}"))

@@ -275,12 +275,14 @@ class Scheduler:
         for request in self.waiting_for_fsm.pop_ready():
             structured = request.structured_output_request
             error = structured.error() if structured is not None else None
-            if error is None:
+            manager = self.structured_output_manager
+            if error is None and not (manager is not None and manager.ends_before_start(request)):
                 self.waiting.add(request)
                 continue
-            request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, error
+            request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
+            request.stop_reason = error
             self._free_request(request)
-            self.grammar_failures.append(EngineCoreOutput(request.request_id, [], "abort", error))
+            self.grammar_failures.append(EngineCoreOutput(request.request_id, [], request.get_finished_reason(), error))
 
     def _preempt(self, request: Request) -> None:
         """Free the blocks and requeue; the tokens so far are kept and recomputed on resumption."""

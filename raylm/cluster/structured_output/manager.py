@@ -153,6 +153,14 @@ class StructuredOutputManager:
             request.status = RequestStatus.FINISHED_STOPPED
         return ended
 
+    def ends_before_start(self, request: Request) -> bool:
+        """A grammar that allows only a stop token from the start while min_tokens forbids one: the request ends
+        (stop) with no output, rather than sampling from a row that allows nothing."""
+        structured = request.structured_output_request
+        return (structured is not None and structured.grammar is not None and structured.reasoning_ended
+                and request.num_output_tokens < request.sampling_params.min_tokens
+                and self._only_stop_allowed(structured.grammar))
+
     def _only_stop_allowed(self, grammar: Any) -> bool:
         scratch = self._scratch
         grammar.fill_bitmask(scratch, 0)

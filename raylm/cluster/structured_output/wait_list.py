@@ -12,9 +12,8 @@ class GrammarWaitList:
         self.requests: list[Request] = []
 
     def add(self, request: Request) -> bool:
-        """Keep the request here if its grammar is not ready; False if it can be queued now."""
-        structured = request.structured_output_request
-        if structured is None or structured.is_ready():
+        """Keep a constrained request here until the next schedule() looks at its grammar; False for the others."""
+        if request.structured_output_request is None:
             return False
         request.status = RequestStatus.WAITING_FOR_FSM
         self.requests.append(request)
