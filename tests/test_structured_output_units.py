@@ -20,7 +20,7 @@ from raylm.common.outputs import GrammarOutput, ModelRunnerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig
-from raylm.runner.structured_output import apply_grammar_bitmask, unpack_bitmask
+from raylm.runner.structured_output import apply_grammar_bitmask
 
 
 def packed(allowed: list[list[int]], width: int) -> np.ndarray:
@@ -40,7 +40,9 @@ def test_bitmask_rows_follow_request_ids_and_pad_the_vocabulary() -> None:
     for row, tokens in ((0, [5, 31, 63]), (2, [0, 33])):
         finite = torch.isfinite(logits[row]).nonzero().flatten().tolist()
         assert finite == tokens and torch.equal(logits[row, tokens], original[row, tokens])
-    assert unpack_bitmask(torch.from_numpy(packed([[31]], 1)), 32)[0, 31]  # the sign bit is token 31
+    sign_bits = torch.zeros(1, 64)
+    apply_grammar_bitmask(sign_bits, GrammarOutput(["x"], packed([[31, 63]], 2)), ["x"])
+    assert torch.isfinite(sign_bits[0]).nonzero().flatten().tolist() == [31, 63]  # each word's sign bit: its last token
 
 
 def make_scheduler() -> Scheduler:
