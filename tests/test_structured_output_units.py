@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from raylm.cluster.config_resolver import structured_outputs_backends
 from raylm.cluster.request import Request, RequestStatus
 from raylm.cluster.scheduler import Scheduler
 from raylm.cluster.structured_output import validate_structured_outputs
@@ -20,6 +21,7 @@ from raylm.common.outputs import GrammarOutput, ModelRunnerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig
+from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 from raylm.runner.structured_output import apply_grammar_bitmask
 
 
@@ -85,12 +87,23 @@ def test_compiling_grammars_hold_back_no_one(llama_path: Path) -> None:
                                            '"end": "</f>"}], "triggers": ["<f>"]}'), "auto", "xgrammar"),
 ])
 def test_backend_choice(params: StructuredOutputsParams, backend: str, expected: str) -> None:
-    assert validate_structured_outputs(params, backend) == expected
+    assert validate_structured_outputs(params, backends(backend)) == expected
+
+
+def backends(setting: str) -> tuple[str, ...]:
+    return structured_outputs_backends(StructuredOutputsConfig(structured_outputs_backend=setting))
+
+
+def test_the_resolver_decides_the_backend_list() -> None:
+    assert backends("auto") == ("xgrammar", "guidance") and backends("guidance") == ("guidance",)
+    with pytest.raises(ValueError, match="no structured-output backend"):
+        validate_structured_outputs(StructuredOutputsParams(regex="a"), ())
 
 
 def test_a_backend_that_cannot_is_named() -> None:
     with pytest.raises(ValueError, match="structural_tag: the guidance backend does not support structural tags"):
         validate_structured_outputs(StructuredOutputsParams(structural_tag='{"structures": [], "triggers": []}'),
-                                    "guidance")
+                                    backends("guidance"))
     with pytest.raises(ValueError, match="xgrammar backend does not enforce multipleOf"):
-        validate_structured_outputs(StructuredOutputsParams(json={"type": "integer", "multipleOf": 3}), "xgrammar")
+        validate_structured_outputs(StructuredOutputsParams(json={"type": "integer", "multipleOf": 3}),
+                                    backends("xgrammar"))

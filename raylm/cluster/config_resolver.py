@@ -7,6 +7,7 @@ a GPU cluster decides from what it holds itself, not from what the process that 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 
 import torch
@@ -16,6 +17,7 @@ from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.engine_config import ResolvedConfig
 from raylm.configs.model_info import ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len
+from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
 from raylm.runner.cudagraph_dispatcher import resolve_cudagraph_mode
@@ -65,6 +67,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     # not plan ahead with placeholders; async scheduling still deepens the batch queue by one step.
     max_concurrent_batches = 1 if dp_lockstep else pp + int(scheduler.async_scheduling)
     compilation = config.compilation_config
+    grammar_backends = structured_outputs_backends(config.structured_outputs_config)
     attention_backend = choose_attn_backend(config.cache_config.attention_backend, device, _TORCH_DTYPES[dtype],
                                             config.cache_config.block_size, custom_ops=compilation.custom_ops != "none")
 
@@ -79,15 +82,32 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         compilation_config=compilation.model_copy(update={
             "cudagraph_mode": resolve_cudagraph_mode(compilation, device)}),
         resolved=ResolvedConfig(model_info, _num_ray_bundles(parallel), dp_lockstep,
-                                max_concurrent_batches),
+                                max_concurrent_batches, grammar_backends),
     )
     show_info(logger)
     logger.info("engine config: model %s (%s), device %s, dtype %s, attention %s, executor %s%s, cudagraph_mode %s, "
-                "max_model_len %d, %d step(s) in flight", model_config.served_model_name, model_info.architecture,
-                device, dtype, attention_backend, executor_backend,
+                "max_model_len %d, %d step(s) in flight, grammars %s", model_config.served_model_name,
+                model_info.architecture, device, dtype, attention_backend, executor_backend,
                 ", lock-step DP" if dp_lockstep else "", resolved.compilation_config.cudagraph_mode,
-                max_model_len, max_concurrent_batches)
+                max_model_len, max_concurrent_batches, "/".join(grammar_backends))
     return resolved
+
+
+# structured_outputs_backend -> the backends a constraint is tried against, in order, and the package each needs.
+_GRAMMAR_BACKENDS = {"auto": ("xgrammar", "guidance"), "xgrammar": ("xgrammar",), "guidance": ("guidance",)}
+_GRAMMAR_PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+
+
+def structured_outputs_backends(config: StructuredOutputsConfig) -> tuple[str, ...]:
+    """The grammar backends of constrained requests, in the order each constraint tries them. `auto` is vLLM's:
+    xgrammar, then guidance (llguidance) for what xgrammar cannot enforce; the choice among them is made per
+    constraint (structured_output/validation.py), the list here, once."""
+    backends = _GRAMMAR_BACKENDS[config.structured_outputs_backend]
+    for name in backends:
+        if importlib.util.find_spec(_GRAMMAR_PACKAGES[name]) is None:
+            raise ValueError(f"structured_outputs_backend {config.structured_outputs_backend!r} needs the "
+                             f"{_GRAMMAR_PACKAGES[name]} package, which is not installed")
+    return backends
 
 
 def _needs_ray(parallel: ParallelConfig) -> bool:

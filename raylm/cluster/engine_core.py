@@ -51,8 +51,7 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.structured_output_manager = StructuredOutputManager(
-            config.structured_outputs_config, config.model_info, config.scheduler_config.max_num_seqs)
+        self.structured_output_manager = StructuredOutputManager(config)
         # Stage 0 of a pipeline learns a request's sampled token only from the next SchedulerOutput.
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, config.model_config.max_model_len, self.num_blocks,

@@ -106,8 +106,7 @@ class LLMEngine:
             if value is not None and value > vocab_size:
                 raise ValueError(f"SamplingParams.{name} must be <= the vocabulary size ({vocab_size}), got {value}")
         if params.structured_outputs is not None:  # refused here, with what is unsupported, not in the engine
-            validate_structured_outputs(params.structured_outputs,
-                                        self.config.structured_outputs_config.structured_outputs_backend)
+            validate_structured_outputs(params.structured_outputs, self.config.resolved.structured_outputs_backends)
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError(f"priority {priority} is given but scheduling_policy is "
                              f"{self.config.scheduler_config.scheduling_policy!r}: set scheduling_policy='priority'")

@@ -132,6 +132,9 @@ class ResolvedConfig:
     num_ray_bundles: int  # CPU bundles a new local Ray must declare: one per engine and per worker
     dp_lockstep: bool  # data-parallel engines step together (MoE with expert parallel over DP > 1)
     max_concurrent_batches: int  # steps the engine keeps in flight
+    # Grammar backends a constraint is tried against, in order (structured_outputs_backend; auto: xgrammar, then
+    # guidance); empty: constrained requests are refused (a config resolved by hand, for the runner alone).
+    structured_outputs_backends: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

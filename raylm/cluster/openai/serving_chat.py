@@ -42,7 +42,7 @@ class OpenAIServingChat(OpenAIServing):
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         await self.engine.wait_until_ready()
         config = self.engine.config.structured_outputs_config
-        constraint = request_constraint(request, config)
+        constraint = request_constraint(request, config, self.engine.config.resolved.structured_outputs_backends)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
         prompt = self.engine_prompt(*self._apply_chat_template(request), "messages", max_tokens, max_tokens_param)

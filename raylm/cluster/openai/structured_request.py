@@ -29,7 +29,9 @@ class OutputConstraint:
     tool_parser: Callable[[], ToolParser] | None = None  # reads the output back as tool calls
 
 
-def request_constraint(request: SamplingRequest, config: StructuredOutputsConfig) -> OutputConstraint:
+def request_constraint(request: SamplingRequest, config: StructuredOutputsConfig,
+                       backends: tuple[str, ...]) -> OutputConstraint:
+    """`backends`: the resolved config's structured_outputs_backends."""
     found: list[OutputConstraint] = []
     response_format = request.response_format
     if response_format is not None and response_format.type == "json_object":
@@ -63,7 +65,7 @@ def request_constraint(request: SamplingRequest, config: StructuredOutputsConfig
         constraint.tool_parser = parsers[0]
     if constraint.structured_outputs is not None:
         try:
-            validate_structured_outputs(constraint.structured_outputs, config.structured_outputs_backend)
+            validate_structured_outputs(constraint.structured_outputs, backends)
         except ValueError as err:
             raise OpenAIError(f"{constraint.param}: {err}", param=constraint.param) from None
     return constraint

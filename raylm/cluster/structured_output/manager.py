@@ -21,8 +21,7 @@ from raylm.cluster.structured_output.request import StructuredOutputRequest
 from raylm.cluster.structured_output.validation import validate_structured_outputs
 from raylm.common.outputs import GrammarOutput, SchedulerOutput
 from raylm.common.structured_outputs import StructuredOutputsParams
-from raylm.configs.model_info import ModelInfo
-from raylm.configs.structured_outputs_config import StructuredOutputsConfig
+from raylm.configs import EngineConfig
 
 logger = logging.getLogger(__name__)
 _CACHE_SIZE = 1024  # compiled constraints kept (an LRU over their texts)
@@ -30,10 +29,13 @@ _WORD_BITS = 32
 
 
 class StructuredOutputManager:
-    def __init__(self, config: StructuredOutputsConfig, model_info: ModelInfo, max_num_seqs: int,
-                 num_compile_threads: int = 2) -> None:
-        self.config = config
-        self.model_info = model_info
+    def __init__(self, engine_config: EngineConfig, num_compile_threads: int = 2) -> None:
+        assert engine_config.resolved is not None, "the manager reads a resolved config"
+        self.config = engine_config.structured_outputs_config
+        self.model_info = model_info = engine_config.model_info
+        self.tokenizer_name = engine_config.model_config.tokenizer
+        self.backends = engine_config.resolved.structured_outputs_backends
+        max_num_seqs = engine_config.scheduler_config.max_num_seqs
         self.executor = ThreadPoolExecutor(num_compile_threads, thread_name_prefix="raylm-grammar")
         self._compiled: OrderedDict[tuple[Any, ...], Future[CompiledGrammar]] = OrderedDict()
         self._backends: dict[str, StructuredOutputBackend] = {}
@@ -50,7 +52,7 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         if params is None:
             return
-        backend = validate_structured_outputs(params, self.config.structured_outputs_backend)
+        backend = validate_structured_outputs(params, self.backends)
         key = (backend, params.kind, params.spec, params.disable_any_whitespace)
         future = self._compiled.get(key)
         if future is None:
@@ -78,7 +80,7 @@ class StructuredOutputManager:
             if self._tokenizer is None:
                 from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_info.tokenizer)
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
                 self.reasoner = get_reasoning_parser(self.config.reasoning_parser, self._tokenizer)
             vocab_size = self.model_info.vocab_size
             if name == "xgrammar":

@@ -1,5 +1,5 @@
-"""The frontend's check of a constrained request, before it reaches an engine: pick the backend (auto: xgrammar,
-else guidance where xgrammar cannot enforce the constraint, as vLLM does) or refuse with what is unsupported."""
+"""The frontend's check of a constrained request, before it reaches an engine: pick the first of the resolved
+backends that can enforce it (auto: xgrammar, else guidance, as vLLM does) or refuse with what is unsupported."""
 from __future__ import annotations
 
 from raylm.cluster.structured_output.backend_guidance import GuidanceBackend
@@ -10,13 +10,15 @@ from raylm.common.structured_outputs import StructuredOutputsParams
 _CHECKERS = {"xgrammar": XgrammarBackend(), "guidance": GuidanceBackend()}
 
 
-def validate_structured_outputs(params: StructuredOutputsParams, backend: str) -> str:
-    """The backend that will compile `params` (also stored in it); ValueError "<kind>: ..." when none can."""
+def validate_structured_outputs(params: StructuredOutputsParams, backends: tuple[str, ...]) -> str:
+    """The first of `backends` (the resolved config's structured_outputs_backends) that can compile `params` (also
+    stored in it); ValueError "<kind>: ..." when none can."""
     if params._backend is not None:
         return params._backend
-    candidates = ["xgrammar", "guidance"] if backend == "auto" else [backend]
+    if not backends:
+        raise ValueError(f"{params.kind}: this engine has no structured-output backend")
     errors = []
-    for name in candidates:
+    for name in backends:
         try:
             _CHECKERS[name].check(params)
         except ValueError as err:
