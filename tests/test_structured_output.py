@@ -15,6 +15,7 @@ import torch
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.structured_output.backend_xgrammar import XgrammarBackend
+from raylm.common.sampling_params import FLOAT32_MIN_POSITIVE
 from raylm.common.structured_outputs import StructuredOutputsParams
 from tests.structured_corpus import CORPUS, UNSUPPORTED, closing_bias, validate_json
 
@@ -184,3 +185,15 @@ def test_n_stop_strings_and_min_tokens_compose(llm: LLM) -> None:
         structured_outputs=StructuredOutputsParams(regex="[0-9]{1,12}"))
     completion = llm.generate(["Count"], digits, use_tqdm=False)[0].outputs[0]
     assert re.fullmatch("[0-9]+", completion.text) and len(completion.token_ids) >= 6
+
+
+def test_the_smallest_repetition_penalty_keeps_masked_tokens_out(llm: LLM) -> None:
+    """A penalty that is 0 as a float32 turned masked -inf logits into NaN and sampled a forbidden token (found by
+    schemathesis: 5e-324); it is refused, and the smallest one the runner can hold keeps to the grammar."""
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=5e-324)
+    params = [SamplingParams(temperature=temperature, seed=1, max_tokens=8, repetition_penalty=FLOAT32_MIN_POSITIVE,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+              for temperature in (0.0, 1.0)]
+    for output in llm.generate(["Answer Answer", "yes no yes"], params, use_tqdm=False):
+        assert output.outputs[0].text in ("yes", "no") and output.outputs[0].finish_reason == "stop"

@@ -7,6 +7,8 @@ from raylm.common.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 FLOAT32_MAX = 3.4028234663852886e38  # the runner keeps the settings as float32
+# The smallest positive float32: a repetition penalty below it is 0 in the runner, and -inf (a masked token) x 0 is NaN.
+FLOAT32_MIN_POSITIVE = 1.401298464324817e-45
 
 
 @dataclass
@@ -48,8 +50,8 @@ class SamplingParams:
                     f"must be <= max_tokens ({self.max_tokens})")
         self._check("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]")
         self._check("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]")
-        self._check("repetition_penalty", 0.0 < self.repetition_penalty <= FLOAT32_MAX,
-                    f"must be in (0, {FLOAT32_MAX:g}]")
+        self._check("repetition_penalty", FLOAT32_MIN_POSITIVE <= self.repetition_penalty <= FLOAT32_MAX,
+                    f"must be in [{FLOAT32_MIN_POSITIVE:g}, {FLOAT32_MAX:g}] (> 0 as a float32)")
         self._check("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0")
         self._check("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0")
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings")

@@ -18,7 +18,7 @@ from raylm.cluster.openai.protocol_tools import (
     ToolCall,
     ToolChoice,
 )
-from raylm.common.sampling_params import FLOAT32_MAX, SamplingParams
+from raylm.common.sampling_params import FLOAT32_MAX, FLOAT32_MIN_POSITIVE, SamplingParams
 
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
@@ -84,7 +84,7 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0), _INTEGRAL]] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=FLOAT32_MAX)
+    repetition_penalty: float | None = Field(None, ge=FLOAT32_MIN_POSITIVE, le=FLOAT32_MAX)
     logit_bias: TokenBias | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0), _INTEGRAL] | None = None

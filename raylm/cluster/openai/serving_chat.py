@@ -41,8 +41,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         await self.engine.wait_until_ready()
-        config = self.engine.config.structured_outputs_config
-        constraint = request_constraint(request, config, self.engine.config.resolved.structured_outputs_backends)
+        constraint = request_constraint(request, self.engine.engine_config)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
         prompt = self.engine_prompt(*self._apply_chat_template(request), "messages", max_tokens, max_tokens_param)
@@ -60,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _reasoning_parser(self) -> ReasoningParser | None:
         if not hasattr(self, "_reasoning"):
-            name = self.engine.config.structured_outputs_config.reasoning_parser
+            name = self.engine.engine_config.structured_outputs_config.reasoning_parser
             self._reasoning = get_reasoning_parser(name, self.engine.tokenizer)
         return self._reasoning
 

@@ -30,9 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self.engine_prompt(text, ids, "prompt", request.max_tokens)
                    for text, ids in self._tokenize(request.prompt)]
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
-        config = self.engine.config
-        params.structured_outputs = request_constraint(
-            request, config.structured_outputs_config, config.resolved.structured_outputs_backends).structured_outputs
+        params.structured_outputs = request_constraint(request, self.engine.engine_config).structured_outputs
         request_id = random_id("cmpl")
         priority = request.priority or 0
         outputs = merge_async_iterators(*[self.engine.generate(f"{request_id}-{i}", prompt, params, priority)

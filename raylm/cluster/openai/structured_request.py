@@ -17,6 +17,7 @@ from raylm.cluster.openai.protocol import ChatCompletionRequest, SamplingRequest
 from raylm.cluster.openai.tool_parsers import ToolParser, get_tool_parser
 from raylm.cluster.structured_output import validate_structured_outputs
 from raylm.common.structured_outputs import StructuredOutputsParams
+from raylm.configs import EngineConfig
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -29,9 +30,9 @@ class OutputConstraint:
     tool_parser: Callable[[], ToolParser] | None = None  # reads the output back as tool calls
 
 
-def request_constraint(request: SamplingRequest, config: StructuredOutputsConfig,
-                       backends: tuple[str, ...]) -> OutputConstraint:
-    """`backends`: the resolved config's structured_outputs_backends."""
+def request_constraint(request: SamplingRequest, engine_config: EngineConfig) -> OutputConstraint:
+    """The request's constraint, checked against the engine's (resolved) structured-output backends."""
+    config = engine_config.structured_outputs_config
     found: list[OutputConstraint] = []
     response_format = request.response_format
     if response_format is not None and response_format.type == "json_object":
@@ -65,6 +66,7 @@ def request_constraint(request: SamplingRequest, config: StructuredOutputsConfig
         constraint.tool_parser = parsers[0]
     if constraint.structured_outputs is not None:
         try:
+            backends = engine_config.resolved.structured_outputs_backends
             validate_structured_outputs(constraint.structured_outputs, backends)
         except ValueError as err:
             raise OpenAIError(f"{constraint.param}: {err}", param=constraint.param) from None
