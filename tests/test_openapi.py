@@ -64,11 +64,12 @@ def schemathesis(server: Server, workdir: Path, *args: str) -> subprocess.Comple
 
 
 def test_schemathesis_finds_nothing(server: Server, tmp_path: Path) -> None:
-    # schemathesis 4.32's coverage phase crashes inside itself (a KeyError in cover_schema_iter) on the chat schema:
-    # chat runs without that phase.
-    for args in (("--exclude-path", "/v1/chat/completions", "--max-examples", "10"),
-                 ("--include-path", "/v1/chat/completions", "--phases", "examples,fuzzing,stateful",
-                  "--max-examples", "10")):
+    # Bounded to stay near half a minute of CPU: ~90 cases. The coverage phase (every boundary value of every field,
+    # ~570 cases for the other operations; it crashes inside schemathesis 4.32 on the chat schema) is run by hand,
+    # see docs/structured-output.md; what it found has its own test (test_the_smallest_repetition_penalty_...).
+    phases = ("--phases", "examples,fuzzing,stateful")
+    for args in (("--exclude-path", "/v1/chat/completions", *phases, "--max-examples", "10"),
+                 ("--include-path", "/v1/chat/completions", *phases, "--max-examples", "5")):
         result = schemathesis(server, tmp_path, *args)
         summary = result.stdout[result.stdout.rfind("SUMMARY"):]
         findings = [line for line in result.stdout.splitlines() if line.startswith(("- ST", "    `{", "    a "))]
