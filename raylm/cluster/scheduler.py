@@ -272,17 +272,13 @@ class Scheduler:
         """Queue the requests whose grammar compiled; finish (abort) those whose grammar failed to."""
         if not self.running and not self.waiting and self.waiting_for_fsm:
             self.waiting_for_fsm.wait(timeout=0.05)  # rather than spin through empty steps
-        for request in self.waiting_for_fsm.pop_ready():
-            structured = request.structured_output_request
-            error = structured.error() if structured is not None else None
-            manager = self.structured_output_manager
-            if error is None and not (manager is not None and manager.ends_before_start(request)):
-                self.waiting.add(request)
-                continue
-            request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
-            request.stop_reason = error
+        ready, ended = self.waiting_for_fsm.pop_ready(self.structured_output_manager)
+        for request in ready:
+            self.waiting.add(request)
+        for request in ended:
             self._free_request(request)
-            self.grammar_failures.append(EngineCoreOutput(request.request_id, [], request.get_finished_reason(), error))
+            self.grammar_failures.append(EngineCoreOutput(request.request_id, [], request.get_finished_reason(),
+                                                          request.stop_reason))
 
     def _preempt(self, request: Request) -> None:
         """Free the blocks and requeue; the tokens so far are kept and recomputed on resumption."""

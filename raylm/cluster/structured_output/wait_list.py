@@ -3,8 +3,12 @@ hold back no one; each step the scheduler takes in those whose grammar is ready.
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, wait
+from typing import TYPE_CHECKING
 
 from raylm.cluster.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from raylm.cluster.structured_output.manager import StructuredOutputManager
 
 
 class GrammarWaitList:
@@ -19,18 +23,27 @@ class GrammarWaitList:
         self.requests.append(request)
         return True
 
-    def pop_ready(self) -> list[Request]:
-        """The requests whose grammar has compiled (or failed to: see StructuredOutputRequest.error), in arrival
-        order, back in status WAITING."""
+    def pop_ready(self, manager: StructuredOutputManager | None) -> tuple[list[Request], list[Request]]:
+        """The requests whose grammar is done, in arrival order: (those to queue, back in status WAITING; those it
+        ends, finished: aborted when it failed to compile, stopped when it allows only a stop token that min_tokens
+        forbids)."""
         if not self.requests:
-            return []
-        ready = [r for r in self.requests if r.structured_output_request is None or
-                 r.structured_output_request.is_ready()]
-        if ready:
-            self.requests = [r for r in self.requests if r not in ready]
-            for request in ready:
+            return [], []
+        done = [r for r in self.requests if r.structured_output_request is None or
+                r.structured_output_request.is_ready()]
+        self.requests = [r for r in self.requests if r not in done]
+        ready, ended = [], []
+        for request in done:
+            structured = request.structured_output_request
+            error = structured.error() if structured is not None else None
+            if error is None and not (manager is not None and manager.ends_before_start(request)):
                 request.status = RequestStatus.WAITING
-        return ready
+                ready.append(request)
+                continue
+            request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
+            request.stop_reason = error
+            ended.append(request)
+        return ready, ended
 
     def wait(self, timeout: float) -> None:
         """Block until a grammar is ready (at most `timeout` s): the engine has nothing else to run."""
