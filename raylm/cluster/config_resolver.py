@@ -7,6 +7,7 @@ a GPU cluster decides from what it holds itself, not from what the process that 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 
 import torch
@@ -18,6 +19,7 @@ from raylm.configs.engine_config import ResolvedConfig, SpeculativeConfig
 from raylm.configs.kv_transfer import KVTransferConfig
 from raylm.configs.lora import resolve_lora_config
 from raylm.configs.model_info import ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len
+from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
 from raylm.runner.cudagraph_dispatcher import resolve_cudagraph_mode
@@ -72,6 +74,8 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     max_concurrent_batches = 1 if dp_lockstep else pp + int(scheduler.async_scheduling)
     speculative, draft_model_info = _resolve_speculative(config, model_info, max_model_len, dp_lockstep)
     compilation = config.compilation_config
+    # Drafts are not checked against a grammar yet, so an engine that speculates refuses constrained requests.
+    grammar_backends = () if speculative else structured_outputs_backends(config.structured_outputs_config)
     attention_backend = choose_attn_backend(config.cache_config.attention_backend, device, _TORCH_DTYPES[dtype],
                                             config.cache_config.block_size, custom_ops=compilation.custom_ops != "none")
 
@@ -90,19 +94,36 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         routing_config=config.routing_config.model_copy(update={"routing_policy": resolve_routing_policy(config)}),
         lora_config=lora_config,
         resolved=ResolvedConfig(model_info, _num_ray_bundles(parallel), dp_lockstep,
-                                max_concurrent_batches, draft_model_info),
+                                max_concurrent_batches, draft_model_info, grammar_backends),
     )
     show_info(logger)
     logger.info("engine config: model %s (%s), device %s, dtype %s, attention %s, executor %s%s, cudagraph_mode %s, "
-                "max_model_len %d, %d step(s) in flight%s", model_config.served_model_name, model_info.architecture,
-                device, dtype, attention_backend, executor_backend,
+                "max_model_len %d, %d step(s) in flight, grammars %s%s", model_config.served_model_name,
+                model_info.architecture, device, dtype, attention_backend, executor_backend,
                 ", lock-step DP" if dp_lockstep else "", resolved.compilation_config.cudagraph_mode,
-                max_model_len, max_concurrent_batches,
+                max_model_len, max_concurrent_batches, "/".join(grammar_backends) or "none",
                 "" if kv_transfer.kv_connector is None else
                 f", KV connector {kv_transfer.kv_connector} ({kv_transfer.kv_role})")
     if speculative is not None:
         logger.info("speculative decoding: %s", speculative.model_dump(exclude_none=True))
     return resolved
+
+
+# structured_outputs_backend -> the backends a constraint is tried against, in order, and the package each needs.
+_GRAMMAR_BACKENDS = {"auto": ("xgrammar", "guidance"), "xgrammar": ("xgrammar",), "guidance": ("guidance",)}
+_GRAMMAR_PACKAGES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
+
+
+def structured_outputs_backends(config: StructuredOutputsConfig) -> tuple[str, ...]:
+    """The grammar backends of constrained requests, in the order each constraint tries them. `auto` is vLLM's:
+    xgrammar, then guidance (llguidance) for what xgrammar cannot enforce; the choice among them is made per
+    constraint (structured_output/validation.py), the list here, once."""
+    backends = _GRAMMAR_BACKENDS[config.structured_outputs_backend]
+    for name in backends:
+        if importlib.util.find_spec(_GRAMMAR_PACKAGES[name]) is None:
+            raise ValueError(f"structured_outputs_backend {config.structured_outputs_backend!r} needs the "
+                             f"{_GRAMMAR_PACKAGES[name]} package, which is not installed")
+    return backends
 
 
 def _needs_ray(parallel: ParallelConfig) -> bool:

@@ -15,8 +15,9 @@ from raylm.cluster.outputs import EngineCoreOutput, EngineSleepingError
 from raylm.cluster.request import Request, RequestStatus
 from raylm.cluster.scheduler import Scheduler
 from raylm.cluster.stats import SchedulerStats
+from raylm.cluster.structured_output import StructuredOutputManager
 from raylm.common import tracing
-from raylm.common.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.common.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
 from raylm.executor import Executor
@@ -25,6 +26,8 @@ from raylm.runner.sleep_mode import SLEEP_TAGS
 
 # A step in flight: its SchedulerOutput and the futures of execute_model and sample_tokens.
 InFlightStep = tuple[SchedulerOutput, Future, Future]
+# A step whose forward runs but whose sampling waits for the step before (its grammars need that step's tokens).
+DeferredStep = tuple[SchedulerOutput, Future, list[str]]
 
 
 class EngineCore:
@@ -54,16 +57,19 @@ class EngineCore:
         if self.kv_connector is not None:
             self.kv_connector.set_xfer_handshake_metadata(
                 self.executor.collective_rpc("get_kv_connector_handshake_metadata"))
+        self.structured_output_manager = StructuredOutputManager(config)
         # Stage 0 of a pipeline learns a request's sampled token only from the next SchedulerOutput.
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, config.model_config.max_model_len, self.num_blocks,
             config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1,
             speculative_config=config.speculative_config, kv_connector=self.kv_connector,
-            max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else None)
+            max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else None,
+            structured_output_manager=self.structured_output_manager)
         self.num_generation_tokens = 0  # since start, for stats
         depth = config.resolved.max_concurrent_batches
         self.sleeping_tags: set[str] = set()  # what sleep freed and wake_up has not restored yet
         self.batch_queue: deque[InFlightStep] | None = deque(maxlen=depth) if depth > 1 else None
+        self.deferred_step: DeferredStep | None = None
 
     def add_request(self, request: Request) -> int:
         """Queue a request (seeded: LLMEngine draws the seeds); returns the index of the engine that serves it (always
@@ -72,6 +78,7 @@ class EngineCore:
         if self.sleeping_tags:
             raise EngineSleepingError(f"request {request.request_id}: the engine is sleeping (its "
                                       f"{' and '.join(sorted(self.sleeping_tags))} are freed): call wake_up() first")
+        self.structured_output_manager.grammar_init(request)
         self.scheduler.add_request(request)
         return 0
 
@@ -84,28 +91,41 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self._schedule()
+        grammar_req_ids = self.structured_output_manager.sampling_requests(scheduler_output, self.scheduler.requests)
+        future = self._execute_model(scheduler_output)
+        grammar_output = self._grammar_bitmask(grammar_req_ids)  # while the forward runs
         with tracing.span("execute_model"):
-            output = self._execute_model(scheduler_output).result()
+            output = future.result()
         if output is None:
             with tracing.span("sample_tokens"):
-                output = self.executor.sample_tokens().result()
+                output = self.executor.sample_tokens(grammar_output).result()
         assert output is not None, "the output rank returned no ModelRunnerOutput"
         return self._update_from_output(scheduler_output, output)
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Schedule and dispatch a step while the queue has room and the oldest step is still running (the new one
-        is planned while the others compute); otherwise wait for the oldest and feed its tokens back."""
+        is planned while the others compute); otherwise wait for the oldest and feed its tokens back.
+
+        Under async scheduling a constrained request's next step is planned before its last token is known; the
+        bitmask needs that token, so the step's forward starts and its sampling waits for the step before (vLLM's
+        deferred sampling), and nothing more is scheduled meanwhile."""
         queue = self.batch_queue
         assert queue is not None
-        if len(queue) < queue.maxlen and self.scheduler.has_unfinished_requests():
+        if self.deferred_step is None and len(queue) < queue.maxlen and self.scheduler.has_unfinished_requests():
             scheduler_output = self._schedule()
             # A step with no tokens still tells the workers which requests finished, and lets KV transfers finish.
             if (scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids
                     or scheduler_output.kv_connector_metadata is not None):
                 with tracing.span("dispatch"):
+                    grammar_req_ids = self.structured_output_manager.sampling_requests(
+                        scheduler_output, self.scheduler.requests)
                     execute_future = self._execute_model(scheduler_output)
-                    queue.append((scheduler_output, execute_future, self.executor.sample_tokens()))
-                if len(queue) < queue.maxlen and not queue[0][2].done():
+                    if self._sampled_in_flight(grammar_req_ids):
+                        self.deferred_step = (scheduler_output, execute_future, grammar_req_ids)
+                    else:
+                        queue.append((scheduler_output, execute_future,
+                                      self.executor.sample_tokens(self._grammar_bitmask(grammar_req_ids))))
+                if self.deferred_step is None and len(queue) < queue.maxlen and not queue[0][2].done():
                     return []
         if not queue:
             return []
@@ -115,7 +135,24 @@ class EngineCore:
             if output is None:
                 output = execute_future.result()  # an empty step answers from execute_model
         assert output is not None, "the output rank returned no ModelRunnerOutput"
-        return self._update_from_output(scheduler_output, output)
+        outputs = self._update_from_output(scheduler_output, output)
+        if self.deferred_step is not None and not self._sampled_in_flight(self.deferred_step[2]):
+            deferred_output, deferred_future, grammar_req_ids = self.deferred_step
+            self.deferred_step = None
+            queue.append((deferred_output, deferred_future,
+                          self.executor.sample_tokens(self._grammar_bitmask(grammar_req_ids))))
+        return outputs
+
+    def _sampled_in_flight(self, req_ids: list[str]) -> bool:
+        """Whether a step in flight has some of these requests (its tokens are not back yet)."""
+        assert self.batch_queue is not None
+        return any(req_id in step[0].num_scheduled_tokens for step in self.batch_queue for req_id in req_ids)
+
+    def _grammar_bitmask(self, req_ids: list[str]) -> GrammarOutput | None:
+        if not req_ids:
+            return None
+        with tracing.span("grammar_bitmask", num_requests=len(req_ids)):
+            return self.structured_output_manager.grammar_bitmask(self.scheduler.requests, req_ids)
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
         """Every step sent to the workers goes through here, so num_steps matches the workers' own count."""
@@ -144,7 +181,7 @@ class EngineCore:
             self.executor.execute_dummy_batch().result()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue) or self.deferred_step is not None
 
     def engine_stats(self) -> list[SchedulerStats]:
         """The scheduler's gauges, one entry per engine."""
@@ -199,4 +236,5 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -21,6 +21,7 @@ from raylm.cluster.lora_registry import LoRARegistry
 from raylm.cluster.output_processor import OutputProcessor, RequestOutputKind
 from raylm.cluster.outputs import DPEngineDiedError, EngineSleepingError, RequestOutput
 from raylm.cluster.request import Request
+from raylm.cluster.structured_output import validate_structured_outputs
 from raylm.common import tracing
 from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
@@ -122,6 +123,8 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > vocab_size:
                 raise ValueError(f"SamplingParams.{name} must be <= the vocabulary size ({vocab_size}), got {value}")
+        if params.structured_outputs is not None:  # refused here, with what is unsupported, not in the engine
+            validate_structured_outputs(params.structured_outputs, self.config.resolved.structured_outputs_backends)
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError(f"priority {priority} is given but scheduling_policy is "
                              f"{self.config.scheduler_config.scheduling_policy!r}: set scheduling_policy='priority'")

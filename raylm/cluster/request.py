@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from raylm.cluster.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, its KV arriving through a KV connector
+    WAITING_FOR_FSM = enum.auto()  # its grammar is still compiling (vLLM's name)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Every status after PREEMPTED is a finished one.
@@ -74,6 +79,8 @@ class Request:
         self.num_preemptions = 0
         # Speculative decoding: the runner's proposal for the next step (drafts of the tokens after the last one).
         self.spec_token_ids: list[int] = []
+        # Set by the StructuredOutputManager when sampling_params.structured_outputs asks for a grammar.
+        self.structured_output_request: StructuredOutputRequest | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ must be unique over the engine's lifetime (outputs of removed requests are recog
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raylm.cluster.kv_cache_manager import KVCacheManager
 from raylm.cluster.kv_transfer_tracker import KVTransferTracker
@@ -19,9 +19,13 @@ from raylm.cluster.request import Request, RequestStatus
 from raylm.cluster.request_queue import RequestQueue, create_request_queue, preemption_victim
 from raylm.cluster.spec_decode import DraftScheduling
 from raylm.cluster.stop_checker import check_stop
+from raylm.cluster.structured_output.wait_list import GrammarWaitList
 from raylm.common.outputs import CachedRequestData, LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from raylm.runner.kv_transfer import KVConnectorBase
+
+if TYPE_CHECKING:
+    from raylm.cluster.structured_output import StructuredOutputManager
 
 
 class Scheduler:
@@ -36,6 +40,7 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         kv_connector: KVConnectorBase | None = None,
         max_loras: int | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -66,6 +71,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # finished, aborted or preempted since the last schedule
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # of requests that got their first token: vLLM's stats line and vllm:prompt_tokens
+        self.structured_output_manager = structured_output_manager
+        self.waiting_for_fsm = GrammarWaitList()  # requests whose grammar is compiling
+        self.grammar_failures: list[EngineCoreOutput] = []  # reported with the next update_from_output
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -85,7 +93,8 @@ class Scheduler:
         request.max_tokens = room if max_tokens is None else min(max_tokens, room)
         self.kv_cache_manager.check_fits(request)
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if not self.waiting_for_fsm.add(request):
+            self.waiting.add(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish (typically abort) requests wherever they are; unknown or finished ids are ignored."""
@@ -98,7 +107,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 any_running = True
-            elif self.kv_transfers is None or not self.kv_transfers.discard(request):
+            elif not ((self.kv_transfers is not None and self.kv_transfers.discard(request))
+                      or self.waiting_for_fsm.remove(request)):
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
@@ -115,6 +125,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self._admit_compiled_grammars()
         budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
@@ -233,8 +244,9 @@ class Scheduler:
         scheduled are skipped."""
         row_of = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         sampled_token_ids = model_runner_output.sampled_token_ids
-        outputs: list[EngineCoreOutput] = []
+        outputs, self.grammar_failures = self.grammar_failures, []
         finished_requests: set[Request] = set()
+        grammar = self.structured_output_manager
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None:
@@ -260,7 +272,7 @@ class Scheduler:
             for token_id in sampled:
                 request.append_output_token_id(token_id)
                 num_new_tokens += 1
-                if check_stop(request):
+                if check_stop(request) or (grammar is not None and grammar.advance(request, token_id)):
                     finished = True
                     break
             logprobs = model_runner_output.logprobs.get(req_id)
@@ -290,7 +302,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waiting_for_fsm)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -316,6 +328,18 @@ class Scheduler:
         # Without chunked prefill a running request only ever has decode tokens left (a whole prompt
         # was admitted at once), so capping by the budget never splits a prompt.
         return min(num_tokens + num_placeholders - request.num_computed_tokens, budget)
+
+    def _admit_compiled_grammars(self) -> None:
+        """Queue the requests whose grammar compiled; finish (abort) those whose grammar failed to."""
+        if not self.running and not self.waiting and self.waiting_for_fsm:
+            self.waiting_for_fsm.wait(timeout=0.05)  # rather than spin through empty steps
+        ready, ended = self.waiting_for_fsm.pop_ready(self.structured_output_manager)
+        for request in ready:
+            self.waiting.add(request)
+        for request in ended:
+            self._free_request(request)
+            self.grammar_failures.append(EngineCoreOutput(request.request_id, [], request.get_finished_reason(),
+                                                          request.stop_reason))
 
     def _preempt(self, request: Request) -> None:
         """Free the blocks and requeue; the tokens so far are kept and recomputed on resumption."""

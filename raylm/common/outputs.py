@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from raylm.common.kv_transfer import KVConnectorMetadata, KVConnectorOutput
@@ -59,6 +60,15 @@ class SchedulerOutput:
     @classmethod
     def empty(cls) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0, set())
+
+
+@dataclass
+class GrammarOutput:
+    """The step's token bitmask (vLLM's name), filled by the engine while the forward runs: one packed row per
+    constrained request that samples, bit t of a row set when token t is allowed."""
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: np.ndarray  # int32 [len(structured_output_request_ids), ceil(vocab_size / 32)]
 
 
 @dataclass

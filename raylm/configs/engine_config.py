@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from raylm.configs.kv_transfer import KVTransferConfig, RoutingConfig
+from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     from raylm.configs.model_info import ModelInfo
@@ -151,6 +152,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "kv_transfer_config": KVTransferConfig,
     "routing_config": RoutingConfig,
     "lora_config": LoRAConfig,
+    "structured_outputs_config": StructuredOutputsConfig,
 }
 
 
@@ -164,6 +166,9 @@ class ResolvedConfig:
     dp_lockstep: bool  # data-parallel engines step together (MoE with expert parallel over DP > 1)
     max_concurrent_batches: int  # steps the engine keeps in flight
     draft_model_info: ModelInfo | None = None  # speculative_config's draft checkpoint (method draft_model)
+    # Grammar backends a constraint is tried against, in order (structured_outputs_backend; auto: xgrammar, then
+    # guidance); empty: constrained requests are refused (a config resolved by hand, for the runner alone).
+    structured_outputs_backends: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,7 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
     routing_config: RoutingConfig = field(default_factory=RoutingConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     resolved: ResolvedConfig | None = None
 
     @property
@@ -219,6 +225,10 @@ class EngineConfig:
                 f"the same here), or NONE")
         if self.cache_config.attention_backend == "cpu" and self.compilation_config.custom_ops == "none":
             raise ValueError("attention_backend 'cpu' needs raylm's CPU kernels, which custom_ops='none' turns off")
+        tools = self.structured_outputs_config
+        if tools.enable_auto_tool_choice != (tools.tool_call_parser is not None):
+            raise ValueError("enable_auto_tool_choice and tool_call_parser go together: tool_choice 'auto' parses "
+                             "the model's calls with that parser (--enable-auto-tool-choice --tool-call-parser hermes)")
         if self.serving_config.min_replicas > self.serving_config.max_replicas:
             raise ValueError(
                 f"min_replicas ({self.serving_config.min_replicas}) must be <= max_replicas "

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from raylm.common.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.common.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
 from raylm.worker.worker import MemoryProfile
@@ -46,8 +46,9 @@ class Executor(ABC):
         """Start the forward; the future holds None when sample_tokens must follow."""
 
     @abstractmethod
-    def sample_tokens(self) -> Future[ModelRunnerOutput | None]:
-        """Sample the step execute_model started; the future holds None when execute_model already answered."""
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> Future[ModelRunnerOutput | None]:
+        """Sample the step execute_model started, under the step's grammar bitmask (None: no constrained request);
+        the future holds None when execute_model already answered."""
 
     @abstractmethod
     def execute_dummy_batch(self) -> Future[None]:

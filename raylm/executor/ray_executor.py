@@ -17,7 +17,7 @@ from ray import cloudpickle
 from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raylm.common.outputs import SchedulerOutput
+from raylm.common.outputs import GrammarOutput, SchedulerOutput
 from raylm.common.parallel_layout import RankLayout
 from raylm.executor.abstract import Executor
 from raylm.executor.channel import DriverChannel
@@ -99,8 +99,9 @@ class RayExecutor(Executor):
         return self._rpc().call("execute_model", (scheduler_output,), reply_ranks=(self.output_rank,), unwrap=True,
                                 fatal=True)
 
-    def sample_tokens(self) -> RpcFuture:
-        return self._rpc().call("sample_tokens", reply_ranks=(self.output_rank,), unwrap=True, fatal=True)
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> RpcFuture:
+        return self._rpc().call("sample_tokens", (grammar_output,), reply_ranks=(self.output_rank,), unwrap=True,
+                                fatal=True)
 
     def execute_dummy_batch(self) -> RpcFuture:
         return self._rpc().call("execute_dummy_batch", reply_ranks=(self.output_rank,), unwrap=True, fatal=True)

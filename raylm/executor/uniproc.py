@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from raylm.common.outputs import ModelRunnerOutput, SchedulerOutput
+from raylm.common.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.executor.abstract import Executor
 from raylm.worker import Worker
 
@@ -31,8 +31,8 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
         return self._submit(self.worker.execute_model, scheduler_output)
 
-    def sample_tokens(self) -> Future[ModelRunnerOutput | None]:
-        return self._submit(self.worker.sample_tokens)
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> Future[ModelRunnerOutput | None]:
+        return self._submit(self.worker.sample_tokens, grammar_output)
 
     def execute_dummy_batch(self) -> Future[None]:
         return self._submit(self.worker.execute_dummy_batch)

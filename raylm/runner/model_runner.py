@@ -19,7 +19,7 @@ import torch
 
 from raylm.common import tracing
 from raylm.common.kv_transfer import KVConnectorOutput
-from raylm.common.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
+from raylm.common.outputs import GrammarOutput, IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.configs import EngineConfig
 from raylm.runner import cpu_kernels
 from raylm.runner.attention import get_attn_backend
@@ -50,6 +50,7 @@ from raylm.runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_li
 from raylm.runner.sleep_mode import SleepMode
 from raylm.runner.spec_decode.metadata import SpecDecodeMetadata
 from raylm.runner.spec_decode.spec_decoder import SpecDecoder
+from raylm.runner.structured_output import apply_grammar_bitmask
 from raylm.runner.ubatch_splitting import create_ubatch_slices
 from raylm.runner.ubatching import forward_in_ubatches
 
@@ -207,19 +208,22 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput | None:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
         state = self.execute_model_state
         if state is None:
             return None  # non-last pipeline stage, or execute_model already answered
         self.execute_model_state = None
         batch, rows = self.input_batch, state.sampling_rows
         if self.spec_decoder is not None:
+            assert grammar_output is None, "constrained requests are refused with speculative decoding"
             with tracing.span("sample"):
                 spec = self.spec_decoder.sample(state.logits, state.spec_decode_metadata, rows, batch,
                                                 self.sampling_metadata.build(batch, rows), state.hidden_states)
             return ModelRunnerOutput(list(batch.req_ids[: batch.num_reqs]), spec.sampled_token_ids, spec.logprobs,
                                      self.prompt_logprobs.pop_completed(), spec.spec_token_ids,
                                      kv_connector_output=state.kv_connector_output)
+        if grammar_output is not None:
+            apply_grammar_bitmask(state.logits, grammar_output, [batch.req_ids[row] for row in rows.tolist()])
         with tracing.span("sample"):
             sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
             sampled = to_host(sampler_output.sampled_token_ids)[0].tolist()  # the step's one host wait

@@ -11,7 +11,7 @@ import torch
 
 from raylm.common import tracing
 from raylm.common.lora_request import LoRARequest
-from raylm.common.outputs import IntermediateTensors, ModelRunnerOutput, SchedulerOutput
+from raylm.common.outputs import GrammarOutput, IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
 from raylm.runner.lora.worker_manager import LoRAManager
@@ -173,9 +173,9 @@ class Worker:
             return None
         return output
 
-    def sample_tokens(self) -> ModelRunnerOutput | None:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
         with tracing.span("sample_tokens"):
-            return self._runner().sample_tokens()
+            return self._runner().sample_tokens(grammar_output)
 
     def drain_trace(self) -> list[dict[str, Any]]:
         """This process's timeline events since the last drain (runner/tracing.py)."""

@@ -22,6 +22,7 @@ from raylm.cluster.openai.errors import OpenAIError, error_json, error_response,
 from raylm.cluster.openai.lora_endpoints import include_lora_endpoints
 from raylm.cluster.openai.lora_router import LoRAModelRouter
 from raylm.cluster.openai.metrics import PrometheusStatLogger
+from raylm.cluster.openai.openapi import install_openapi
 from raylm.cluster.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from raylm.cluster.openai.router import EngineModelRouter, ModelRouter, ServingResult
 from raylm.cluster.outputs import EngineDeadError
@@ -73,6 +74,7 @@ def build_app(router: ModelRouter, api_key: str | None = None, metrics: Promethe
         return await _respond(router.chat(request), raw_request)
 
     app.include_router(v1)
+    install_openapi(app, api_key=bool(api_key))
     return app
 
 

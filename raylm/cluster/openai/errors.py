@@ -48,8 +48,8 @@ def error_from_exception(err: Exception) -> ErrorResponse:
     return error_response(f"internal error: {type(err).__name__}: {err}", HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
-def error_json(error: ErrorResponse) -> JSONResponse:
-    return JSONResponse(error.model_dump(mode="json"), status_code=error.error.code)
+def error_json(error: ErrorResponse, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.model_dump(mode="json"), status_code=error.error.code, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -60,10 +60,13 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_json(error_response("the request body is not valid JSON", HTTPStatus.BAD_REQUEST))
         where = [".".join(str(p) for p in problem["loc"] if p != "body") for problem in problems]
         message = "; ".join(f"{loc or 'body'}: {problem['msg']}" for loc, problem in zip(where, problems))
-        return error_json(error_response(message, HTTPStatus.BAD_REQUEST, where[0] or None))
+        # The request field at fault (not pydantic's path into a union member of it).
+        param = next((str(part) for part in problems[0]["loc"] if part != "body"), None)
+        return error_json(error_response(message, HTTPStatus.BAD_REQUEST, param))
 
     async def on_http_error(_: Request, err: HTTPException) -> JSONResponse:
-        return error_json(error_response(str(err.detail), err.status_code))
+        # Starlette's headers kept: a 405 names the allowed methods in Allow.
+        return error_json(error_response(str(err.detail), err.status_code), getattr(err, "headers", None))
 
     async def on_error(_: Request, err: Exception) -> JSONResponse:
         return error_json(error_from_exception(err))

@@ -6,17 +6,52 @@ extensions (top_k, min_p, ignore_eos, min_tokens, repetition_penalty, ...).
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 
-from raylm.common.sampling_params import SamplingParams
+from raylm.cluster.openai.protocol_tools import (
+    ChatCompletionTool,
+    DeltaToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolChoice,
+)
+from raylm.common.sampling_params import FLOAT32_MAX, FLOAT32_MIN_POSITIVE, SamplingParams
 
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "include_stop_str_in_output",
     "skip_special_tokens",
 )
+
+
+MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's cap on choices per request: one request cannot fill the engine's queue
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+T = TypeVar("T")
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 2.0 as an integer; strict parsing alone would refuse it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+_INTEGRAL = BeforeValidator(_integral)  # after any Field(...) constraints, so that the schema states them
+JsonInt = Annotated[int, _INTEGRAL]
+NonEmptyList = Annotated[list[T], Field(min_length=1)]
+_TOKEN_ID = r"^-?[0-9]+$"
+# Token ids as keys; the schema says that no other key is allowed (pydantic alone would not).
+# Biases in OpenAI's range [-100, 100].
+TokenBias = Annotated[
+    dict[Annotated[str, StringConstraints(pattern=_TOKEN_ID)], Annotated[float, Field(ge=-100.0, le=100.0)]],
+    WithJsonSchema({"type": "object", "patternProperties": {_TOKEN_ID: {"type": "number", "minimum": -100,
+                                                                        "maximum": 100}},
+                    "additionalProperties": False})]
+# Requests are parsed strictly: a value of the wrong JSON type (true for an integer, "1" for a number) is refused as
+# the schema says, not coerced.
+_REQUEST_CONFIG = ConfigDict(extra="allow", strict=True)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -27,6 +62,7 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
+    model_config = _REQUEST_CONFIG
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
@@ -34,27 +70,37 @@ class StreamOptions(OpenAIBaseModel):
 class SamplingRequest(OpenAIBaseModel):
     """The fields completions and chat share; None (or null) means the engine's default."""
 
+    model_config = _REQUEST_CONFIG
+
     model: str | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # The ranges SamplingParams checks, stated here so that /openapi.json says them.
+    n: Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=FLOAT32_MAX)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: Annotated[int, Field(ge=-1), _INTEGRAL] | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: JsonInt | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0), _INTEGRAL]] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, ge=FLOAT32_MIN_POSITIVE, le=FLOAT32_MAX)
+    logit_bias: TokenBias | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
+    min_tokens: Annotated[int, Field(ge=0), _INTEGRAL] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    priority: int | None = None  # with scheduling_policy "priority": smaller is served first
+    priority: JsonInt | None = None  # with scheduling_policy "priority": smaller is served first
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's: to the engine's KV connector (disaggregated prefill)
+    # Constrained output (cluster/openai/structured_outputs.py): at most one of these.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError on out-of-range values."""
@@ -80,19 +126,24 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | NonEmptyList[str] | NonEmptyList[JsonInt] | NonEmptyList[NonEmptyList[JsonInt]]
+    max_tokens: Annotated[int, Field(ge=1), _INTEGRAL] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _INTEGRAL] | None = None
 
 
 class TextContentPart(OpenAIBaseModel):
+    model_config = _REQUEST_CONFIG
     type: str = "text"
     text: str = ""
 
 
 class ChatMessage(OpenAIBaseModel):
+    model_config = _REQUEST_CONFIG
     role: str
     content: str | list[TextContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -102,12 +153,15 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Annotated[int, Field(ge=1), _INTEGRAL] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1), _INTEGRAL] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _INTEGRAL] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # False: at most one call
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -166,7 +220,9 @@ class ChatLogprobs(OpenAIBaseModel):
 
 class AssistantMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(None, exclude_if=lambda value: value is None)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
@@ -191,6 +247,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=lambda role: role is None)  # first delta only
     content: str | None = None
+    reasoning_content: str | None = Field(None, exclude_if=lambda value: value is None)
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list, exclude_if=lambda calls: not calls)
 
 
 class ChatStreamChoice(OpenAIBaseModel):

@@ -18,6 +18,7 @@ from raylm.cluster.openai.serving_engine import (
     sse_error,
     usage,
 )
+from raylm.cluster.openai.structured_request import request_constraint
 from raylm.cluster.outputs import RequestOutput
 
 _Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
@@ -29,6 +30,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self.engine_prompt(text, ids, "prompt", request.max_tokens)
                    for text, ids in self._tokenize(request.prompt)]
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        params.structured_outputs = request_constraint(request, self.engine.engine_config).structured_outputs
         request_id = random_id("cmpl")
         priority = request.priority or 0
         outputs = merge_async_iterators(*[self.engine.generate(f"{request_id}-{i}", prompt, params, priority)

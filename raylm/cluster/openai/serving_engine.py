@@ -12,13 +12,12 @@ from pydantic import BaseModel
 
 from raylm.cluster.async_llm import AsyncLLM
 from raylm.cluster.openai.errors import OpenAIError, error_from_exception
-from raylm.cluster.openai.protocol import SamplingRequest, UsageInfo
+from raylm.cluster.openai.protocol import MAX_LOGPROBS, SamplingRequest, UsageInfo
 from raylm.cluster.outputs import CompletionOutput
 from raylm.common.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
-MAX_LOGPROBS = 20
 MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) send for -inf, which JSON cannot carry
 SSE_DONE = "data: [DONE]\n\n"
 

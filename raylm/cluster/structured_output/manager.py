@@ -1,0 +1,175 @@
+"""StructuredOutputManager (vLLM v1's): the engine's grammars. Compiles each request's constraint off the step loop
+(a thread pool, one compile per constraint text), gives each request its own matcher, fills the step's packed token
+bitmask while the forward runs, and advances a matcher by each token its request accepts.
+
+A matcher only ever advances by tokens appended to its request, so it is never ahead of them: tokens of a step
+discarded by preemption were never accepted, and a resumed request keeps its tokens and its matcher alike."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from raylm.cluster.reasoning import ReasoningParser, get_reasoning_parser
+from raylm.cluster.request import Request, RequestStatus
+from raylm.cluster.structured_output.backend_types import CompiledGrammar, StructuredOutputBackend
+from raylm.cluster.structured_output.request import StructuredOutputRequest
+from raylm.cluster.structured_output.validation import validate_structured_outputs
+from raylm.common.outputs import GrammarOutput, SchedulerOutput
+from raylm.common.structured_outputs import StructuredOutputsParams
+from raylm.configs import EngineConfig
+
+logger = logging.getLogger(__name__)
+_CACHE_SIZE = 1024  # compiled constraints kept (an LRU over their texts)
+_WORD_BITS = 32
+
+
+class StructuredOutputManager:
+    def __init__(self, engine_config: EngineConfig, num_compile_threads: int = 2) -> None:
+        assert engine_config.resolved is not None, "the manager reads a resolved config"
+        self.config = engine_config.structured_outputs_config
+        self.model_info = model_info = engine_config.model_info
+        self.tokenizer_name = engine_config.model_config.tokenizer
+        self.backends = engine_config.resolved.structured_outputs_backends
+        max_num_seqs = engine_config.scheduler_config.max_num_seqs
+        self.executor = ThreadPoolExecutor(num_compile_threads, thread_name_prefix="raylm-grammar")
+        self._compiled: OrderedDict[tuple[Any, ...], Future[CompiledGrammar]] = OrderedDict()
+        self._backends: dict[str, StructuredOutputBackend] = {}
+        self._init_lock = threading.Lock()  # backends and the tokenizer are built by the first compile that needs them
+        self._tokenizer: Any = None
+        self.reasoner: ReasoningParser | None = None
+        self.bitmask = torch.zeros(max_num_seqs, -(-model_info.vocab_size // _WORD_BITS), dtype=torch.int32)
+        self._scratch = torch.zeros(1, self.bitmask.shape[1], dtype=torch.int32)
+
+    # ---- requests in ----------------------------------------------------------------------------
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling the request's constraint (or reuse the compile of the same text)."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return
+        backend = validate_structured_outputs(params, self.backends)
+        key = (backend, params.kind, params.spec, params.disable_any_whitespace)
+        future = self._compiled.get(key)
+        if future is None:
+            future = self._compiled[key] = self.executor.submit(self._compile, backend, params)
+            if len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        reasoning_ended_in_prompt = None
+        if self.config.reasoning_parser is not None:
+            # The reasoner is built by the first compile, from the same tokenizer, so it exists once this is asked.
+            def reasoning_ended_in_prompt() -> bool:
+                assert self.reasoner is not None
+                return self.reasoner.is_reasoning_end(request.prompt_token_ids)
+        request.structured_output_request = StructuredOutputRequest(params, future, reasoning_ended_in_prompt)
+
+    def _compile(self, backend_name: str, params: StructuredOutputsParams) -> CompiledGrammar:
+        return self._backend(backend_name).compile(params)
+
+    def _backend(self, name: str) -> StructuredOutputBackend:
+        with self._init_lock:
+            backend = self._backends.get(name)
+            if backend is not None:
+                return backend
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
+                self.reasoner = get_reasoning_parser(self.config.reasoning_parser, self._tokenizer)
+            vocab_size = self.model_info.vocab_size
+            if name == "xgrammar":
+                from raylm.cluster.structured_output.backend_xgrammar import XgrammarBackend
+
+                backend = XgrammarBackend(self._tokenizer, vocab_size, self._stop_token_ids())
+            else:
+                from raylm.cluster.structured_output.backend_guidance import GuidanceBackend
+
+                backend = GuidanceBackend(self._tokenizer, vocab_size)
+            self._backends[name] = backend
+            return backend
+
+    def _stop_token_ids(self) -> list[int]:
+        stops = set(self.model_info.eos_token_ids)
+        if self._tokenizer.eos_token_id is not None:
+            stops.add(self._tokenizer.eos_token_id)
+        return sorted(stops)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def sampling_requests(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> list[str]:
+        """The constrained requests of a step that sample in it (a partial prefill does not), in schedule order. Asked
+        right after schedule(): a sampling step has computed every known token, and under async scheduling every
+        pending one but its own (the placeholder it just added)."""
+        ids = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or request.structured_output_request is None:
+                continue
+            own_placeholder = 1 if request.num_output_placeholders else 0
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders - own_placeholder:
+                ids.append(req_id)
+        return ids
+
+    def grammar_bitmask(self, requests: dict[str, Request], req_ids: list[str]) -> GrammarOutput | None:
+        """The bitmask of the requests (from sampling_requests) whose grammar applies now: their matchers must have
+        accepted every token before this step's (the engine waits for the step before when it has not)."""
+        rows: list[str] = []
+        bitmask = self.bitmask
+        for req_id in req_ids:
+            request = requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # finished by the step before; its sample is discarded
+            structured = request.structured_output_request
+            assert structured is not None and structured.grammar is not None
+            if not structured.reasoning_ended or structured.grammar.is_terminated():
+                continue
+            structured.grammar.fill_bitmask(bitmask, len(rows))
+            rows.append(req_id)
+        if not rows:
+            return None
+        return GrammarOutput(rows, bitmask[: len(rows)].numpy().copy())
+
+    def advance(self, request: Request, token_id: int) -> bool:
+        """Feed a token the request accepted to its matcher; True when the grammar ends the request (finish reason
+        stop): it terminated, or only a stop token may follow while min_tokens forbids one."""
+        structured = request.structured_output_request
+        if structured is None or structured.grammar is None:
+            return False
+        if not structured.reasoning_ended:
+            assert self.reasoner is not None
+            structured.reasoning_ended = self.reasoner.is_reasoning_end(request.output_token_ids)
+            return False
+        grammar = structured.grammar
+        if not grammar.accept_tokens(request.request_id, [token_id]):
+            logger.warning("request %s: token %d is not allowed by its grammar", request.request_id, token_id)
+            return False
+        ended = grammar.is_terminated() or (
+            request.num_output_tokens < request.sampling_params.min_tokens and self._only_stop_allowed(grammar))
+        if ended:
+            request.status = RequestStatus.FINISHED_STOPPED
+        return ended
+
+    def ends_before_start(self, request: Request) -> bool:
+        """A grammar that allows only a stop token from the start while min_tokens forbids one: the request ends
+        (stop) with no output, rather than sampling from a row that allows nothing."""
+        structured = request.structured_output_request
+        return (structured is not None and structured.grammar is not None and structured.reasoning_ended
+                and request.num_output_tokens < request.sampling_params.min_tokens
+                and self._only_stop_allowed(structured.grammar))
+
+    def _only_stop_allowed(self, grammar: Any) -> bool:
+        scratch = self._scratch
+        grammar.fill_bitmask(scratch, 0)
+        for token_id in self._stop_token_ids():
+            word, bit = divmod(token_id, _WORD_BITS)
+            scratch[0, word] &= ~(1 << bit)
+        return not bool(scratch.any())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

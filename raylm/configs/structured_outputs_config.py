@@ -1,0 +1,24 @@
+"""Settings of structured output (vLLM's StructuredOutputsConfig) and of parsing the model's output back into tool
+calls and reasoning, which the OpenAI server does for the same requests."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+StructuredOutputsBackend = Literal["auto", "xgrammar", "guidance"]
+
+
+class StructuredOutputsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)  # decided once, read by every layer
+
+    structured_outputs_backend: StructuredOutputsBackend = Field(
+        "auto", description="grammar engine of constrained requests; auto: xgrammar, and guidance (llguidance) for "
+                            "the schemas, regexes and grammars xgrammar cannot enforce")
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="split <think>...</think> into reasoning_content; a grammar applies only after it ends")
+    enable_auto_tool_choice: bool = Field(
+        False, description="tool_choice 'auto': parse the model's own tool calls (needs tool_call_parser)")
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None, description="format of the model's tool calls for tool_choice 'auto' (hermes: <tool_call>{json}"
+                          "</tool_call>, as Qwen2.5 and Qwen3 write them)")

@@ -1,0 +1,109 @@
+"""The pieces of structured output on their own: the runner's bitmask on the logits (rows by request id, a model
+vocabulary wider than the bitmask), requests whose grammar is compiling wait without holding back others (and one
+whose grammar fails is finished, not lost), and which backend each constraint goes to."""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from raylm.cluster.config_resolver import structured_outputs_backends
+from raylm.cluster.request import Request, RequestStatus
+from raylm.cluster.scheduler import Scheduler
+from raylm.cluster.structured_output import validate_structured_outputs
+from raylm.cluster.structured_output.backend_xgrammar import XgrammarBackend
+from raylm.cluster.structured_output.request import StructuredOutputRequest
+from raylm.common.outputs import GrammarOutput, ModelRunnerOutput
+from raylm.common.sampling_params import SamplingParams
+from raylm.common.structured_outputs import StructuredOutputsParams
+from raylm.configs.engine_config import CacheConfig, SchedulerConfig
+from raylm.configs.structured_outputs_config import StructuredOutputsConfig
+from raylm.runner.structured_output import apply_grammar_bitmask
+
+
+def packed(allowed: list[list[int]], width: int) -> np.ndarray:
+    rows = np.zeros((len(allowed), width), dtype=np.int64)
+    for row, tokens in enumerate(allowed):
+        for token in tokens:
+            rows[row, token // 32] |= 1 << (token % 32)
+    return rows.astype(np.uint32).view(np.int32)
+
+
+def test_bitmask_rows_follow_request_ids_and_pad_the_vocabulary() -> None:
+    logits = torch.randn(3, 70)  # 70 > 64: the last 6 columns have no bits
+    original = logits.clone()
+    output = GrammarOutput(["c", "a", "gone"], packed([[0, 33], [5, 31, 63], [1]], 2))
+    apply_grammar_bitmask(logits, output, ["a", "b", "c"])
+    assert torch.equal(logits[1], original[1])  # b is not constrained
+    for row, tokens in ((0, [5, 31, 63]), (2, [0, 33])):
+        finite = torch.isfinite(logits[row]).nonzero().flatten().tolist()
+        assert finite == tokens and torch.equal(logits[row, tokens], original[row, tokens])
+    sign_bits = torch.zeros(1, 64)
+    apply_grammar_bitmask(sign_bits, GrammarOutput(["x"], packed([[31, 63]], 2)), ["x"])
+    assert torch.isfinite(sign_bits[0]).nonzero().flatten().tolist() == [31, 63]  # each word's sign bit: its last token
+
+
+def make_scheduler() -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(), 128, 64, 16)
+
+
+def constrained(request_id: str, future: Future) -> Request:
+    params = StructuredOutputsParams(regex="[a-z]+")
+    request = Request(request_id, [1, 2, 3], SamplingParams(max_tokens=4, seed=0, structured_outputs=params))
+    request.structured_output_request = StructuredOutputRequest(params, future)
+    return request
+
+
+def test_compiling_grammars_hold_back_no_one(llama_path: Path) -> None:
+    scheduler = make_scheduler()
+    compiling, failing = Future(), Future()
+    scheduler.add_request(constrained("slow", compiling))
+    scheduler.add_request(constrained("bad", failing))
+    scheduler.add_request(Request("free", [4, 5], SamplingParams(max_tokens=4, seed=0)))
+    output = scheduler.schedule()
+    assert list(output.num_scheduled_tokens) == ["free"]
+    assert scheduler.requests["slow"].status == RequestStatus.WAITING_FOR_FSM and scheduler.num_waiting == 2
+
+    backend = XgrammarBackend(AutoTokenizer.from_pretrained(llama_path), 512, [1])
+    compiling.set_result(backend.compile(StructuredOutputsParams(regex="[a-z]+")))
+    failing.set_exception(RuntimeError("no"))
+    output = scheduler.schedule()
+    assert list(output.num_scheduled_tokens) == ["slow"] and "bad" in output.finished_req_ids
+    outputs = scheduler.update_from_output(output, ModelRunnerOutput(["slow"], [[]]))
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", "abort")]
+    assert "failed to compile" in str(outputs[0].stop_reason) and "bad" not in scheduler.requests
+
+
+@pytest.mark.parametrize(("params", "backend", "expected"), [
+    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}), "auto", "xgrammar"),
+    (StructuredOutputsParams(json={"type": "integer", "multipleOf": 3}), "auto", "guidance"),
+    (StructuredOutputsParams(grammar='start: "a" | "b"'), "auto", "guidance"),  # Lark: not xgrammar's EBNF
+    (StructuredOutputsParams(grammar='root ::= "a" | "b"'), "guidance", "guidance"),  # EBNF converted to Lark
+    (StructuredOutputsParams(structural_tag='{"structures": [{"begin": "<f>", "schema": {"type": "integer"}, '
+                                           '"end": "</f>"}], "triggers": ["<f>"]}'), "auto", "xgrammar"),
+])
+def test_backend_choice(params: StructuredOutputsParams, backend: str, expected: str) -> None:
+    assert validate_structured_outputs(params, backends(backend)) == expected
+
+
+def backends(setting: str) -> tuple[str, ...]:
+    return structured_outputs_backends(StructuredOutputsConfig(structured_outputs_backend=setting))
+
+
+def test_the_resolver_decides_the_backend_list() -> None:
+    assert backends("auto") == ("xgrammar", "guidance") and backends("guidance") == ("guidance",)
+    with pytest.raises(ValueError, match="this engine enforces no output constraints"):
+        validate_structured_outputs(StructuredOutputsParams(regex="a"), ())
+
+
+def test_a_backend_that_cannot_is_named() -> None:
+    with pytest.raises(ValueError, match="structural_tag: the guidance backend does not support structural tags"):
+        validate_structured_outputs(StructuredOutputsParams(structural_tag='{"structures": [], "triggers": []}'),
+                                    backends("guidance"))
+    with pytest.raises(ValueError, match="xgrammar backend does not enforce multipleOf"):
+        validate_structured_outputs(StructuredOutputsParams(json={"type": "integer", "multipleOf": 3}),
+                                    backends("xgrammar"))
