@@ -15,7 +15,8 @@ from raylm.cluster.default_model import resolve_model
 from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.engine_config import ResolvedConfig
-from raylm.configs.model_info import ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len
+from raylm.configs.model_info import (ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len,
+                                      resolve_quantization)
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
 from raylm.runner.cudagraph_dispatcher import resolve_cudagraph_mode
@@ -50,6 +51,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     model_info = read_model_info(model_config.model)
     check_architecture(model_info.architecture)
     max_model_len = resolve_max_model_len(model_config, model_info)
+    quantization = resolve_quantization(model_config, model_info)
     dp_lockstep = model_info.is_moe and parallel.enable_expert_parallel and parallel.data_parallel_size > 1
     _check_expert_parallel(model_info, parallel, dp_lockstep)
 
@@ -71,7 +73,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     resolved = dataclasses.replace(
         config,
         model_config=model_config.model_copy(update={
-            "device": device, "dtype": dtype, "max_model_len": max_model_len,
+            "device": device, "dtype": dtype, "max_model_len": max_model_len, "quantization": quantization,
             "tokenizer": model_config.tokenizer or model_config.model}),
         cache_config=config.cache_config.model_copy(update={"attention_backend": attention_backend}),
         parallel_config=parallel.model_copy(update={"distributed_executor_backend": executor_backend}),
@@ -82,9 +84,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
                                 max_concurrent_batches),
     )
     show_info(logger)
-    logger.info("engine config: model %s (%s), device %s, dtype %s, attention %s, executor %s%s, cudagraph_mode %s, "
-                "max_model_len %d, %d step(s) in flight", model_config.served_model_name, model_info.architecture,
-                device, dtype, attention_backend, executor_backend,
+    logger.info("engine config: model %s (%s), device %s, dtype %s, quantization %s, attention %s, executor %s%s, "
+                "cudagraph_mode %s, max_model_len %d, %d step(s) in flight", model_config.served_model_name, model_info.architecture,
+                device, dtype, quantization, attention_backend, executor_backend,
                 ", lock-step DP" if dp_lockstep else "", resolved.compilation_config.cudagraph_mode,
                 max_model_len, max_concurrent_batches)
     return resolved

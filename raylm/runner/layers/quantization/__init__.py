@@ -3,13 +3,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raylm.configs.model_info import resolve_quantization
 from raylm.runner.layers.quantization.base_config import QuantizationConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["get_quantization_config", "resolve_quantization"]
+__all__ = ["get_quantization_config"]
 
 
 def get_quantization_config(method: str, hf_config: PretrainedConfig) -> QuantizationConfig | None:
