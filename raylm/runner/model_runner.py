@@ -96,7 +96,7 @@ class ModelRunner:
         self.model = load_model(self.model_info.path, self.model_info.hf_config, dtype=self.dtype, device=self.device,
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
                                 partition=self.config.parallel_config.pp_layer_partition,
-                                quantization=self.config.model_config.quantization or "none")
+                                quantization=self.config.model_config.quantization)
         self.model.register_forward_pre_hook(CountForwards(self.counts))
         why_not_full = why_no_full_graphs(self.model_info.is_moe, pp.world_size > 1, self.device, self.dtype,
                                           self.attn_backend)
