@@ -47,7 +47,7 @@ def test_cpu_kernels_equal_dequantize_then_matmul(fmt: BlockFormat, max_direct_r
     packed = quantize(_weight(n, k, seed=n * k), fmt)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n) if m % 2 else None
-    y = kernels.block_linear(x, packed, fmt, bias, max_direct_rows=max_direct_rows)
+    y = kernels.block_linear(x, packed, fmt, bias, kernels.load(), max_direct_rows=max_direct_rows)
     reference = _reference(x, packed, fmt, bias)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
@@ -66,7 +66,7 @@ def test_dequantize_per_call_path(monkeypatch: pytest.MonkeyPatch) -> None:
     fmt = FORMATS["Q4_1"]
     packed, x = quantize(_weight(33, 96, seed=3), fmt), torch.randn(5, 96)
     cpu_kernels.set_enabled(False)
-    assert kernels.kernels_for(x) is None
+    assert kernels.kernels_for(x.device, x.dtype) is None
     y = kernels.block_linear(x, packed, fmt, None)
     torch.testing.assert_close(y.double(), _reference(x, packed, fmt, None), rtol=1e-5, atol=1e-5)
 

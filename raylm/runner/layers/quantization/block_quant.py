@@ -54,6 +54,7 @@ class BlockQuantMethod(QuantizeMethodBase):
         weight.quant_format = self.fmt  # type: ignore[attr-defined]
         layer.params_dtype = torch.get_default_dtype()
         layer.in_features_per_partition = input_size_per_partition
+        layer.block_kernels = kernels.kernels_for(weight.device, layer.params_dtype)
 
         def load(param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor, shard_id: object = None) -> None:
             self.load_weight(layer, param, loaded, shard_id, weight_loader)
@@ -94,7 +95,7 @@ class BlockQuantMethod(QuantizeMethodBase):
         fmt = layer.weight.quant_format
         if fmt is None:
             return _FLOAT.apply(layer, x, bias)
-        return kernels.block_linear(x, layer.weight, fmt, bias)
+        return kernels.block_linear(x, layer.weight, fmt, bias, layer.block_kernels)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         fmt = layer.weight.quant_format
@@ -105,13 +106,14 @@ class BlockQuantMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.weight.quant_format is None:
             _FLOAT.process_weights_after_loading(layer)
+        # Decided once per layer (device, dtype, custom_ops are fixed by now) rather than on every call.
+        layer.block_kernels = kernels.kernels_for(layer.weight.device, layer.params_dtype)
 
     def kernel_name(self, layer: nn.Module) -> str:
         fmt = layer.weight.quant_format
         if fmt is None:
             return _FLOAT.kernel_name(layer)
-        on_kernels = layer.weight.device.type == "cpu" and kernels.load() is not None
-        return f"{fmt.name} blocks" + ("" if on_kernels else " (dequantized per call)")
+        return f"{fmt.name} blocks" + ("" if layer.block_kernels is not None else " (dequantized per call)")
 
 
 class BlockQuantConfig(QuantizationConfig):

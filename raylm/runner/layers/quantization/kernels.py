@@ -34,29 +34,35 @@ def load() -> ModuleType | None:
                                       "raylm: building the quantized matmul kernels (once per machine, ~20 s)...")
 
 
-def kernels_for(x: torch.Tensor) -> ModuleType | None:
-    if not cpu_kernels.is_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
+def kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The CPU kernels where they run activations of `dtype` on `device` (float32 on CPU, built, custom ops on)."""
+    if not cpu_kernels.is_enabled() or device.type != "cpu" or dtype != torch.float32:
         return None
     return load()
 
 
+_UNSET = object()
+
+
 def block_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None,
-                 max_direct_rows: int = MAX_DIRECT_ROWS) -> torch.Tensor:
-    """y = x W^T (+ bias) with W [N, K] in `fmt`'s blocks (uint8 [N, fmt.row_bytes(K)])."""
-    ops = kernels_for(x)
+                 ops: ModuleType | None | object = _UNSET, max_direct_rows: int = MAX_DIRECT_ROWS) -> torch.Tensor:
+    """y = x W^T (+ bias) with W [N, K] in `fmt`'s blocks (uint8 [N, fmt.row_bytes(K)]). `ops`: the kernels_for
+    decision when the caller made it once (a layer, at load), else made here."""
+    if ops is _UNSET:
+        ops = kernels_for(x.device, x.dtype)
     if ops is None:
         return F.linear(x, dequantize(packed, fmt).to(x.dtype), bias)
-    x2d = x.reshape(-1, x.shape[-1]).contiguous()
-    y = ops.block_gemm(x2d, packed, fmt.ggml_type, packed.shape[0], max_direct_rows)
+    x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    y = ops.block_gemm(x2d, packed, fmt.ggml_type, packed.shape[0], max_direct_rows)  # type: ignore[union-attr]
     if bias is not None:
         y += bias
-    return y.reshape(*x.shape[:-1], packed.shape[0])
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
 
 
 def block_rows(packed: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of W as `dtype` (an embedding lookup on a quantized table)."""
     flat = ids.reshape(-1)
-    ops = kernels_for(torch.empty(0, dtype=dtype, device=packed.device))
+    ops = kernels_for(packed.device, dtype)
     rows = (dequantize(packed[flat], fmt) if ops is None
             else ops.block_dequantize(packed, flat.to(torch.int64).contiguous(), fmt.ggml_type,
                                       packed.shape[1] // fmt.type_bytes * 32))
