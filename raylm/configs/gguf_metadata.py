@@ -185,7 +185,9 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         raise ValueError(f"GGUF file {path}: pre-tokenizer {pre!r} is not supported; supported: "
                          f"{', '.join(PRE_TOKENIZER_SPLITS)}")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    if not metadata.get("tokenizer.ggml.merges"):
+        raise ValueError(f"GGUF file {path}: its byte-level BPE vocabulary comes without merges")
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=merges))
     splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in PRE_TOKENIZER_SPLITS[pre]]
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
