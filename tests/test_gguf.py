@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.configs.gguf_metadata import gguf_tokenizer, read_gguf_config
+from scripts.gguf_to_safetensors import write_float32_checkpoint
 from tests.gguf_files import write_gguf
 from tests.reference import TOP_K, check_logprobs_close
 
@@ -118,6 +119,26 @@ def test_generation_matches_transformers(gguf_file: tuple[Path, Path], quantizat
         for (_, ref_top), (_, our_top) in zip(reference, ours):
             for ref_at, our_at in zip(ref_top, our_top):
                 assert all(abs(ref_at[t] - our_at[t]) < 1e-4 for t in our_at if t in ref_at)
+
+
+def test_float32_checkpoint_written_from_gguf(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """scripts/gguf_to_safetensors.py: the folder it writes (the float32 twin, for engines without GGUF) tokenizes as
+    the file does, and raylm on it generates what transformers generates from the file, logprobs within 1e-4."""
+    path = write_gguf(checkpoints["llama"], tmp_path / "llama-Q4_1.gguf", Q.Q4_1)
+    folder = write_float32_checkpoint(path, tmp_path / "f32")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert all(tokenizer.encode(text) == gguf_tokenizer(path).encode(text) for text in TEXTS)
+    assert tokenizer.chat_template == gguf_tokenizer(path).chat_template
+    llm = LLM(model=str(folder), max_model_len=128, enable_prefix_caching=False)
+    try:
+        ours = _generate(llm)
+    finally:
+        llm.shutdown()
+    reference = _hf_generate(hf_model(checkpoints["llama"], path))
+    assert check_logprobs_close(reference, ours, "f32 folder") == 0
+    for (_, ref_top), (_, our_top) in zip(reference, ours):
+        for ref_at, our_at in zip(ref_top, our_top):
+            assert all(abs(ref_at[t] - our_at[t]) < 1e-4 for t in our_at if t in ref_at)
 
 
 def test_unsupported_tensor_type_is_refused_by_name(checkpoints: dict[str, Path], tmp_path: Path) -> None:

@@ -54,6 +54,23 @@ def test_cpu_kernels_equal_dequantize_then_matmul(fmt: BlockFormat, max_direct_r
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_portable_path_equals_dequantize_then_matmul(fmt: BlockFormat) -> None:
+    """The plain-loop path (CPUs without AVX2 + FMA), built here on purpose although this CPU may have AVX2: both
+    GEMM paths and the row lookup on a shape with a partial 4-row group and more blocks than one register set."""
+    ops = kernels.load(portable=True)
+    assert ops is not None and ops is not kernels.load(), "the portable quantized kernels did not build"
+    m, n, k = 7, 129, 160
+    packed = quantize(_weight(n, k, seed=5), fmt)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    reference = _reference(x, packed, fmt, None)
+    for max_direct_rows in (0, 1 << 20):
+        y = kernels.block_linear(x, packed, fmt, None, ops, max_direct_rows=max_direct_rows)
+        torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    ids = torch.tensor([128, 0, 5])
+    assert torch.equal(ops.block_dequantize(packed, ids, fmt.ggml_type, k), dequantize(packed, fmt)[ids])
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
 def test_rows_lookup(fmt: BlockFormat) -> None:
     packed = quantize(_weight(37, 96, seed=2), fmt)
     ids = torch.tensor([[3, 0], [36, 3]])

@@ -15,8 +15,13 @@ from raylm.cluster.default_model import resolve_model
 from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.engine_config import ResolvedConfig
-from raylm.configs.model_info import (ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len,
-                                      resolve_quantization)
+from raylm.configs.model_info import (
+    ModelInfo,
+    read_model_info,
+    resolve_dtype,
+    resolve_max_model_len,
+    resolve_quantization,
+)
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
 from raylm.runner.cudagraph_dispatcher import resolve_cudagraph_mode
@@ -85,8 +90,8 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     )
     show_info(logger)
     logger.info("engine config: model %s (%s), device %s, dtype %s, quantization %s, attention %s, executor %s%s, "
-                "cudagraph_mode %s, max_model_len %d, %d step(s) in flight", model_config.served_model_name, model_info.architecture,
-                device, dtype, quantization, attention_backend, executor_backend,
+                "cudagraph_mode %s, max_model_len %d, %d step(s) in flight", model_config.served_model_name,
+                model_info.architecture, device, dtype, quantization, attention_backend, executor_backend,
                 ", lock-step DP" if dp_lockstep else "", resolved.compilation_config.cudagraph_mode,
                 max_model_len, max_concurrent_batches)
     return resolved

@@ -29,9 +29,11 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+// RAYLM_PORTABLE_KERNELS (a build flag) takes the plain-loop path even where AVX2 is present: the tests build it to
+// check the path every CPU without AVX2 and FMA runs.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(RAYLM_PORTABLE_KERNELS)
 // AVX2: a block is four 8-float registers. GCC 12 widens bytes to floats lane by lane when asked through vector
-// extensions, so the decode uses intrinsics here; AVX-512 CPUs run this path too.
+// extensions, so the decode uses intrinsics here. There is no AVX-512 path: AVX-512 CPUs run this one too.
 struct Vec {
   __m256 v[4];
 };
@@ -126,7 +128,7 @@ inline void decode_floats(const uint8_t* b, float* dst) {
 }
 
 #else
-// Other CPUs: the same arithmetic in plain loops.
+// Other CPUs (and portable builds): the same arithmetic in plain loops, which -march=native vectorizes as it can.
 struct Vec {
   float v[kBlock];
 };

@@ -28,10 +28,13 @@ MAX_DIRECT_ROWS = 12
 
 
 @cache
-def load() -> ModuleType | None:
-    """The compiled kernels, or None (one warning) where they cannot be built."""
-    return cpu_kernels.load_extension("quant_kernels", sorted(_SOURCES.glob("*.[ch]*")), "block_gemm.cpp",
-                                      "raylm: building the quantized matmul kernels (once per machine, ~20 s)...")
+def load(portable: bool = False) -> ModuleType | None:
+    """The compiled kernels, or None (one warning) where they cannot be built. `portable`: a separate build that
+    takes the plain-loop path a CPU without AVX2 + FMA runs, whatever this CPU has (the tests check it)."""
+    return cpu_kernels.load_extension(
+        "quant_kernels_portable" if portable else "quant_kernels", sorted(_SOURCES.glob("*.[ch]*")), "block_gemm.cpp",
+        "raylm: building the quantized matmul kernels (once per machine, ~20 s)...",
+        extra_cflags=("-DRAYLM_PORTABLE_KERNELS",) if portable else ())
 
 
 def kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
