@@ -82,7 +82,7 @@ def load_extension(kind: str, sources: list[Path], main: str, announce: str,
         built = build_once(folder, lambda tmp: _build(name, sources, main, cflags, tmp), announce)
         return built if built is not None else _import(name, folder / f"{name}.so")
     except Exception as exc:  # no compiler, no ninja, a sandbox without a writable cache, ...
-        logger.warning("raylm %s unavailable, using plain torch ops: %s", kind.replace("_", " "), exc)
+        logger.warning("raylm CPU kernels unavailable, using plain torch ops (%s): %s", kind, exc)
         return None
 
 
