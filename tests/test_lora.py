@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,8 @@ from raylm.common.lora_request import LoRARequest
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.lora.punica import PunicaWrapper
 from raylm.runner.lora.worker_manager import LoRAManager
+from scripts.gguf_to_safetensors import write_float32_checkpoint
+from tests.gguf_files import write_gguf
 from tests.lora_utils import make_adapter, peft_greedy
 from tests.reference import TOP_K, check_logprobs_close
 
@@ -175,6 +178,22 @@ def test_lora_settings_are_checked(llama_path: Path) -> None:
         llm.generate([{"prompt_token_ids": [5]}], use_tqdm=False, lora_request=LoRARequest("a", 1, "/tmp/a"))
     llm.shutdown()
 
+
+
+def test_adapter_over_a_gguf_base_matches_peft(llama_path: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
+    """A quantized base keeps packed blocks, not a weight: the adapter's slots take the layer's shape. The reference is
+    PEFT over the GGUF file's own float32 weights."""
+    gguf_path = write_gguf(llama_path, tmp_path / "llama-Q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
+    twin = write_float32_checkpoint(gguf_path, tmp_path / "twin")
+    prompts = make_prompts()
+    reference = peft_greedy(twin, adapters["all"], prompts, MAX_TOKENS)
+    llm = LLM(model=str(gguf_path), tokenizer=str(llama_path), **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                           lora_request=LoRARequest("all", 1, str(adapters["all"])))
+    assert check_logprobs_close(reference, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs],
+                                "lora-gguf") <= 1
+    llm.shutdown()
 
 @pytest.mark.slow
 def test_tensor_parallel_matches_peft(ray_cluster: Any, llama_path: Path, lora_requests: list[LoRARequest | None],

@@ -16,7 +16,7 @@ def test_the_wheel_holds_only_raylm_and_its_command(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("raylm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {"raylm", wheel.name.split("-py3")[0] + ".dist-info"}
-    assert {"raylm/configs/tiny.yaml", "raylm/configs/serve-tiny.yaml", "raylm/runner/csrc/cpu_kernels.cpp"} <= set(
-        names)
+    assert {"raylm/configs/tiny.yaml", "raylm/configs/serve-tiny.yaml", "raylm/runner/csrc/cpu_kernels.cpp",
+            "raylm/runner/csrc/quant/block_gemm.cpp", "raylm/runner/csrc/quant/block_formats.h"} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "raylm = raylm.cluster.cli:main" in entry_points

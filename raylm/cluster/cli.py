@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampled requests")
+    generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                          help="send each prompt as a user message through the model's chat template (default: on "
+                               "for the default SmolLM2-135M-Instruct, off for other models)")
     add_engine_args(generate)
     generate.add_argument("--trace", dest="trace_file", default=None, help="same as --trace-file")
 
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from raylm.cluster.default_model import is_default_chat_model
     from raylm.cluster.llm import LLM
     from raylm.common.sampling_params import SamplingParams
 
@@ -64,10 +68,13 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed)
     prompts = args.prompts or ["The quick brown fox", "Once upon a time"]
+    chat = args.chat if args.chat is not None else is_default_chat_model(llm.llm_engine.config.model_config.model)
     try:
-        for output in llm.generate(prompts, params):
+        outputs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if chat
+                   else llm.generate(prompts, params))
+        for prompt, output in zip(prompts, outputs):
             completion = output.outputs[0]
-            print(f"{output.prompt!r} -> {completion.text!r} ({len(completion.token_ids)} tokens, "
+            print(f"{prompt!r} -> {completion.text!r} ({len(completion.token_ids)} tokens, "
                   f"{completion.finish_reason})")
     finally:
         llm.shutdown()

@@ -18,7 +18,13 @@ from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.engine_config import ResolvedConfig, SpeculativeConfig
 from raylm.configs.kv_transfer import KVTransferConfig
 from raylm.configs.lora import resolve_lora_config
-from raylm.configs.model_info import ModelInfo, read_model_info, resolve_dtype, resolve_max_model_len
+from raylm.configs.model_info import (
+    ModelInfo,
+    read_model_info,
+    resolve_dtype,
+    resolve_max_model_len,
+    resolve_quantization,
+)
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
@@ -54,6 +60,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     model_info = read_model_info(model_config.model)
     check_architecture(model_info.architecture)
     max_model_len = resolve_max_model_len(model_config, model_info)
+    quantization = resolve_quantization(model_config, model_info)
     dp_lockstep = model_info.is_moe and parallel.enable_expert_parallel and parallel.data_parallel_size > 1
     _check_expert_parallel(model_info, parallel, dp_lockstep)
     lora_config = resolve_lora_config(config.lora_config, model_info, model_config.served_model_name)
@@ -82,7 +89,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     resolved = dataclasses.replace(
         config,
         model_config=model_config.model_copy(update={
-            "device": device, "dtype": dtype, "max_model_len": max_model_len,
+            "device": device, "dtype": dtype, "max_model_len": max_model_len, "quantization": quantization,
             "tokenizer": model_config.tokenizer or model_config.model}),
         cache_config=config.cache_config.model_copy(update={"attention_backend": attention_backend}),
         parallel_config=parallel.model_copy(update={"distributed_executor_backend": executor_backend}),
@@ -97,9 +104,10 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
                                 max_concurrent_batches, draft_model_info, grammar_backends),
     )
     show_info(logger)
-    logger.info("engine config: model %s (%s), device %s, dtype %s, attention %s, executor %s%s, cudagraph_mode %s, "
-                "max_model_len %d, %d step(s) in flight, grammars %s%s", model_config.served_model_name,
-                model_info.architecture, device, dtype, attention_backend, executor_backend,
+    logger.info("engine config: model %s (%s), device %s, dtype %s, quantization %s, attention %s, executor %s%s, "
+                "cudagraph_mode %s, max_model_len %d, %d step(s) in flight, grammars %s%s",
+                model_config.served_model_name, model_info.architecture, device, dtype, quantization,
+                attention_backend, executor_backend,
                 ", lock-step DP" if dp_lockstep else "", resolved.compilation_config.cudagraph_mode,
                 max_model_len, max_concurrent_batches, "/".join(grammar_backends) or "none",
                 "" if kv_transfer.kv_connector is None else

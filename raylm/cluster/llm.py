@@ -17,7 +17,7 @@ from raylm.configs import EngineConfig
 
 class LLM:
     """`LLM(model=PATH or None, config_file=None, **settings)`: settings use the config field names
-    (`max_num_seqs`, `block_size`, `tensor_parallel_size`, ...); None builds the tiny default model."""
+    (`max_num_seqs`, `block_size`, `tensor_parallel_size`, ...); None: the default model (cluster.default_model)."""
 
     def __init__(self, model: str | None = None, config_file: str | None = None, **settings: Any) -> None:
         self._start(LLMEngine.from_settings(config_file, model=model, **settings))
@@ -91,6 +91,19 @@ class LLM:
 
     def list_loras(self) -> set[int]:
         return self.llm_engine.list_loras()
+    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or several, each through the
+        tokenizer's chat template, then generated like a prompt."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}

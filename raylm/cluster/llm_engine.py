@@ -11,8 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from transformers import AutoTokenizer
-
 from raylm.cluster.config_resolver import resolve_engine_config
 from raylm.cluster.default_model import served_model_name
 from raylm.cluster.engine_core import EngineCore
@@ -26,6 +24,7 @@ from raylm.common import tracing
 from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig, make_engine_config
+from raylm.configs.gguf_metadata import get_tokenizer
 from raylm.configs.model_info import ModelInfo
 
 if TYPE_CHECKING:
@@ -40,7 +39,7 @@ class LLMEngine:
         config = resolve_engine_config(config)
         self.config = config
         self.model_info: ModelInfo = config.model_info
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_config.tokenizer)
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer)
         eos = set(self.model_info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -24,13 +24,17 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    model: str | None = Field(None, description="HF checkpoint folder; None builds the tiny default")
+    model: str | None = Field(None, description="HF checkpoint folder or .gguf file; None: the default model")
     tokenizer: str | None = Field(None, description="tokenizer folder (default: the model folder)")
     served_model_name: str | None = Field(None, description="model id shown by the API")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens per request")
     seed: int = Field(0, description="seed for requests that give none")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    quantization: Literal["none", "int8", "int4", "gguf"] | None = Field(
+        None, description="weights kept quantized: int8 (Q8_0 blocks) or int4 (Q4_1) from a float checkpoint, gguf "
+                          "(a GGUF file's own Q4_0/Q4_1/Q8_0), none (float; a GGUF file dequantized); None: gguf "
+                          "for a .gguf model, else none")
 
 
 class CacheConfig(_Section):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raylm.configs.engine_config import ModelConfig
+from raylm.configs.gguf_metadata import is_gguf, read_gguf_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -41,14 +42,17 @@ def read_model_info(model_path: str) -> ModelInfo:
 
     path = Path(model_path)
     config_file = path / "config.json"
-    if not config_file.exists():
-        raise ValueError(f"model: {path} is not a Hugging Face checkpoint folder (no config.json)")
-    hf_config = AutoConfig.from_pretrained(str(path))
+    if is_gguf(path):
+        hf_config = read_gguf_config(path)
+    elif config_file.exists():
+        hf_config = AutoConfig.from_pretrained(str(path))
+    else:
+        raise ValueError(f"model: {path} is neither a Hugging Face checkpoint folder (no config.json) nor a .gguf file")
     hf = hf_config.to_dict()
     text_config = hf.get("text_config", hf)
     architectures = hf.get("architectures") or []
     if not architectures:
-        raise ValueError(f"model: {config_file} names no `architectures`")
+        raise ValueError(f"model: {path} names no `architectures`")
     checkpoint_dtype = str(text_config.get("dtype") or text_config.get("torch_dtype") or "").removeprefix("torch.")
     return ModelInfo(
         path=str(path),
@@ -72,6 +76,16 @@ def resolve_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type:
         return "float32"
     checkpoint = model_info.checkpoint_dtype
     return checkpoint if checkpoint is not None and checkpoint != "float32" else "bfloat16"
+
+
+def resolve_quantization(model_config: ModelConfig, model_info: ModelInfo) -> str:
+    """The quantization setting, or for None: gguf (the file's own block formats) for a GGUF file, else none."""
+    gguf_file = is_gguf(model_info.path)
+    method = model_config.quantization or ("gguf" if gguf_file else "none")
+    if method == "gguf" and not gguf_file:
+        raise ValueError("quantization: 'gguf' keeps a GGUF file's own formats, and the model is not a .gguf file "
+                         "(use 'int8' or 'int4' to quantize a float checkpoint)")
+    return method
 
 
 def resolve_max_model_len(model_config: ModelConfig, model_info: ModelInfo) -> int:

@@ -35,6 +35,10 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def is_enabled() -> bool:
+    return _enabled
+
+
 def cpu_flags() -> str:
     """The CPU's instruction-set flags: what a build or a measurement done on this machine depends on."""
     try:
@@ -60,21 +64,29 @@ def _put_ninja_on_path() -> None:
 @cache
 def load() -> ModuleType | None:
     """The compiled kernels, or None (with one warning) when they cannot be built here."""
+    return load_extension("cpu_kernels", sorted(_CSRC.glob("*.[ch]*")), "cpu_kernels.cpp",
+                          "raylm: building the CPU kernels (once per machine, ~20 s)...")
+
+
+def load_extension(kind: str, sources: list[Path], main: str, announce: str,
+                   extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
+    """Build the extension whose entry point is the source named `main` once per machine into the user cache
+    (cache_path(kind, key)), keyed by every source's name and bytes, the flags, the CPU, torch and Python; or None,
+    with one warning, where it cannot be built."""
     _put_ninja_on_path()
-    sources = sorted(_CSRC.glob("*.[ch]*"))
-    key = content_key(*(part for path in sources for part in (path.name, path.read_bytes())), " ".join(_CFLAGS),
+    cflags = [*_CFLAGS, *extra_cflags]
+    key = content_key(*(part for path in sources for part in (path.name, path.read_bytes())), " ".join(cflags),
                       cpu_flags(), torch.__version__, sys.implementation.cache_tag)
-    name, folder = f"raylm_cpu_kernels_{key[:12]}", cache_path("cpu_kernels", key)
+    name, folder = f"raylm_{kind}_{key[:12]}", cache_path(kind, key)
     try:
-        built = build_once(folder, lambda tmp: _build(name, sources, tmp),
-                           "raylm: building the CPU kernels (once per machine, ~20 s)...")
+        built = build_once(folder, lambda tmp: _build(name, sources, main, cflags, tmp), announce)
         return built if built is not None else _import(name, folder / f"{name}.so")
     except Exception as exc:  # no compiler, no ninja, a sandbox without a writable cache, ...
-        logger.warning("raylm CPU kernels unavailable, using plain torch ops: %s", exc)
+        logger.warning("raylm CPU kernels unavailable, using plain torch ops (%s): %s", kind, exc)
         return None
 
 
-def _build(name: str, sources: list[Path], folder: Path) -> ModuleType:
+def _build(name: str, sources: list[Path], main: str, cflags: list[str], folder: Path) -> ModuleType:
     """Compile copies of the sources in the (temp) build folder. Later processes import the library straight from
     the cache, so another checkout's paths or file times cannot make ninja rebuild it."""
     from torch.utils.cpp_extension import load as load_extension
@@ -84,8 +96,8 @@ def _build(name: str, sources: list[Path], folder: Path) -> ModuleType:
         shutil.copyfile(path, folder / "src" / path.name)
     # -fopenmp: at::parallel_for is a header template, so it runs threads only when this build has OpenMP
     # (libgomp resolves to the copy torch already loaded).
-    return load_extension(name=name, sources=[str(folder / "src" / "cpu_kernels.cpp")], build_directory=str(folder),
-                          extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
+    return load_extension(name=name, sources=[str(folder / "src" / main)], build_directory=str(folder),
+                          extra_cflags=cflags, extra_ldflags=["-fopenmp"])
 
 
 def _import(name: str, library: Path) -> ModuleType:

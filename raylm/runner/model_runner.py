@@ -115,7 +115,8 @@ class ModelRunner:
         pp = get_pp_group()
         self.model = load_model(self.model_info.path, self.model_info.hf_config, dtype=self.dtype, device=self.device,
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
-                                partition=self.config.parallel_config.pp_layer_partition)
+                                partition=self.config.parallel_config.pp_layer_partition,
+                                quantization=self.config.model_config.quantization)
         self.model.register_forward_pre_hook(CountForwards(self.counts))
         if self.config.lora_config.enable_lora:
             self.lora_manager = LoRAManager(self.model, self.config.lora_config, self.buffers.max_num_tokens,

@@ -3,11 +3,10 @@ vocabulary."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from raylm.runner.layers.cpu_gemm import CpuGemmMixin
-from raylm.runner.layers.linear import set_weight_loader
+from raylm.runner.layers.linear import get_quant_method, set_weight_loader
 from raylm.runner.parallel_state import get_tp_group
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
@@ -28,9 +27,9 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
-        self.weight = set_weight_loader(
-            nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False),
-            self.weight_loader)
+        self.embedding_dim = embedding_dim
+        self.quant_method = get_quant_method(self)
+        self.quant_method.create_weights(self, embedding_dim, self.num_embeddings_per_partition, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         assert shard_id is None
@@ -43,10 +42,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.quant_method.embedding(self, input_ids)
         in_shard = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index) * in_shard
-        embeddings = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        embeddings = self.quant_method.embedding(self, local_ids)
+        embeddings = embeddings * in_shard.unsqueeze(-1).to(embeddings.dtype)
         return get_tp_group().all_reduce(embeddings)
 
     def extra_repr(self) -> str:
@@ -69,9 +69,16 @@ class ParallelLMHead(CpuGemmMixin, VocabParallelEmbedding):
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         assert embed_tokens.weight.shape == self.weight.shape, "tied embeddings must be sharded alike"
         self.weight = embed_tokens.weight
+        self.quant_method = embed_tokens.quant_method  # one weight, one way to read it
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def kernel_name(self) -> str:
+        return self.quant_method.kernel_name(self)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits."""
-        logits = self.matmul(hidden_states, self.bias)
+        logits = self.quant_method.apply(self, hidden_states, self.bias)
         logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings]

@@ -1,14 +1,17 @@
 """Tensor-parallel linear layers. Each parameter carries `weight_loader(param, loaded_weight, shard_id=None)`
-which takes the FULL checkpoint tensor and copies in this rank's shard, so sharding happens at load time."""
+which takes the FULL checkpoint tensor and copies in this rank's shard, so sharding happens at load time. A layer's
+`quant_method` (vLLM's shape) creates its weight and runs it: float here, packed blocks under a `quantization`."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from raylm.runner.layers.cpu_gemm import CpuGemmMixin
+from raylm.runner.layers.quantization.base_config import QuantizeMethodBase, current_quant_config
 from raylm.runner.parallel_state import get_tp_group
 
 WeightLoader = Callable[..., None]
@@ -33,6 +36,35 @@ def _copy_shard(dst: torch.Tensor, loaded: torch.Tensor, dim: int, shard_rank: i
     dst.copy_(loaded.narrow(dim, shard_rank * size, size))
 
 
+class UnquantizedLinearMethod(QuantizeMethodBase):
+    """A float weight [out, in] run by the CPU GEMM plans (cpu_gemm) or F.linear."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_size_per_partition: int,
+                       weight_loader: WeightLoader) -> None:
+        layer.weight = set_weight_loader(nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition),
+                                                      requires_grad=False), weight_loader)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return layer.matmul(x, bias) if isinstance(layer, CpuGemmMixin) else F.linear(x, layer.weight, bias)
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if isinstance(layer, CpuGemmMixin):
+            CpuGemmMixin.process_weights_after_loading(layer)
+
+    def kernel_name(self, layer: nn.Module) -> str:
+        return CpuGemmMixin.kernel_name(layer) if isinstance(layer, CpuGemmMixin) else "sgemm"
+
+
+def get_quant_method(layer: nn.Module) -> QuantizeMethodBase:
+    """The method the current quantization config gives `layer`, else the unquantized one."""
+    config = current_quant_config()
+    method = config.get_quant_method(layer) if config is not None else None
+    return method or UnquantizedLinearMethod()
+
+
 class LinearBase(CpuGemmMixin, nn.Module):
     """y = x W^T + b with W of shape [out_features, in_features] on this rank."""
 
@@ -40,8 +72,9 @@ class LinearBase(CpuGemmMixin, nn.Module):
         super().__init__()
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
-        self.weight = set_weight_loader(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False),
-                                        self.weight_loader)
+        self.input_size_per_partition, self.output_size_per_partition = in_features, out_features
+        self.quant_method = get_quant_method(self)
+        self.quant_method.create_weights(self, in_features, out_features, self.weight_loader)
         self.bias = None
         self.lora: nn.Module | None = None  # LoRA slots (raylm/runner/lora/layers.py), when LoRA is enabled
         if bias:
@@ -51,8 +84,18 @@ class LinearBase(CpuGemmMixin, nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         raise NotImplementedError
 
+    def apply_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.quant_method.apply(self, x, bias)
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def kernel_name(self) -> str:
+        return self.quant_method.kernel_name(self)
+
     def extra_repr(self) -> str:
-        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}, tp={self.tp_size}"
+        return (f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, "
+                f"bias={self.bias is not None}, tp={self.tp_size}")
 
 
 class ColumnParallelLinear(LinearBase):
@@ -69,7 +112,7 @@ class ColumnParallelLinear(LinearBase):
         _copy_shard(param.data, loaded_weight, 0, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias)
+        y = self.apply_linear(x, self.bias)
         if self.lora is not None:
             self.lora.add_to(y, x)
         return get_tp_group().all_gather(y) if self.gather_output else y
@@ -149,7 +192,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias joins on one rank only, so the all-reduce adds it once.
-        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
+        y = self.apply_linear(x, self.bias if self.tp_rank == 0 else None)
         if self.lora is not None:
             self.lora.add_to(y, x)
         return get_tp_group().all_reduce(y) if self.reduce_results else y

@@ -23,16 +23,17 @@ from raylm.runner.lora.punica import PunicaWrapper
 class LoRASlots(nn.Module):
     """max_loras device slots of max_lora_rank for one linear layer, filled in place (the step never allocates)."""
 
-    def __init__(self, layer: LinearBase, punica: PunicaWrapper, max_loras: int, max_rank: int) -> None:
+    def __init__(self, layer: LinearBase, punica: PunicaWrapper, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
         self.punica, self.max_loras, self.max_rank = punica, max_loras, max_rank
         self.tp_rank, self.tp_size = layer.tp_rank, layer.tp_size
         self.row_parallel = isinstance(layer, RowParallelLinear)
-        out_local, in_local = layer.weight.shape
+        # The layer's shape, not its weight's: a quantized layer (GGUF) keeps packed blocks instead of a weight.
+        in_local = layer.input_size_per_partition
         self.output_slices = _output_slices(layer)
         # Where each slice's full lora_b rows start and how they shard: (full offset of this rank's rows, local size).
         self._shards = _lora_b_shards(layer)
-        device, dtype = layer.weight.device, layer.weight.dtype
         num_slices = len(self.output_slices)
         self.register_buffer("lora_a", torch.zeros(num_slices * max_loras * max_rank, in_local, dtype=dtype,
                                                    device=device), persistent=False)
@@ -40,7 +41,7 @@ class LoRASlots(nn.Module):
                        for _, size in self.output_slices]
         for i, tensor in enumerate(self.lora_b):
             self.register_buffer(f"lora_b_{i}", tensor, persistent=False)
-        assert sum(size for _, size in self.output_slices) == out_local
+        assert sum(size for _, size in self.output_slices) == layer.output_size_per_partition
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y (the layer's output on this rank, before any all-reduce) += the LoRA product of x, per token's slot."""
@@ -82,7 +83,7 @@ def _output_slices(layer: LinearBase) -> list[tuple[int, int]]:
     if isinstance(layer, MergedColumnParallelLinear):
         sizes = [size // layer.tp_size for size in layer.output_sizes]
         return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
-    return [(0, layer.weight.shape[0])]
+    return [(0, layer.output_size_per_partition)]
 
 
 def _lora_b_shards(layer: LinearBase) -> list[tuple[int, int]]:
@@ -93,5 +94,5 @@ def _lora_b_shards(layer: LinearBase) -> list[tuple[int, int]]:
         return [(layer.tp_rank * q, q), (kv_rank * kv, kv), (kv_rank * kv, kv)]
     if isinstance(layer, MergedColumnParallelLinear):
         return [(layer.tp_rank * size // layer.tp_size, size // layer.tp_size) for size in layer.output_sizes]
-    out_local = layer.weight.shape[0]
+    out_local = layer.output_size_per_partition
     return [(0 if isinstance(layer, RowParallelLinear) else layer.tp_rank * out_local, out_local)]

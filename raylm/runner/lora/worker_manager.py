@@ -41,7 +41,8 @@ class LoRAManager:
         for name, module in model.named_modules():
             kind = name.rsplit(".", 1)[-1]
             if isinstance(module, LinearBase) and kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                module.lora = self.layers[name] = LoRASlots(module, self.punica, self.max_loras, self.max_rank)
+                module.lora = self.layers[name] = LoRASlots(module, self.punica, self.max_loras, self.max_rank,
+                                                                 dtype, device)
         self.cpu_cache: OrderedDict[int, LoRAModel] = OrderedDict()  # least recently used first
         self.slot_ids: list[int | None] = [None] * self.max_loras
         self.num_disk_loads = 0  # adapters read from disk

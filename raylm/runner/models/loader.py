@@ -1,4 +1,5 @@
-"""Build a model on its device and dtype and stream its weights from a Hugging Face safetensors checkpoint."""
+"""Build a model on its device and dtype and stream its weights from a Hugging Face safetensors checkpoint or a GGUF
+file, with its `quantization` method."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from raylm.configs.gguf_metadata import is_gguf
 from raylm.runner.layers.cpu_gemm import plan_linears
+from raylm.runner.layers.quantization import get_quantization_config
+from raylm.runner.layers.quantization.base_config import set_quant_config
+from raylm.runner.layers.quantization.block_quant import BlockQuantMethod
+from raylm.runner.models.gguf_weights import iterate_gguf_weights
 from raylm.runner.models.registry import get_model_cls
 from raylm.runner.models.utils import pp_missing_prefixes
 
@@ -52,17 +58,39 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def checkpoint_weights(model: nn.Module, model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's weights for `model`'s pipeline stage: safetensors, or a GGUF file's tensors (packed blocks
+    for the layers that keep them)."""
+    prefixes = pp_missing_prefixes(model)
+    if is_gguf(model_path):
+        return iterate_gguf_weights(model_path, model.config, packed_checkpoint_names(model),
+                                    skip=lambda name: name.startswith(prefixes))
+    return iterate_weights(model_path, skip=lambda name: name.startswith(prefixes))
+
+
+def packed_checkpoint_names(model: nn.Module) -> set[str]:
+    """Checkpoint names of the weights that load into block-quantized layers (a fused layer's parts by name)."""
+    parts = getattr(model, "packed_modules_mapping", {})
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(getattr(module, "quant_method", None), BlockQuantMethod):
+            head, _, last = prefix.rpartition(".")
+            names.update(f"{head}.{part}.weight" if head else f"{part}.weight" for part in parts.get(last, [last]))
+    return names
+
+
 def load_model(model_path: str | Path, hf_config: PretrainedConfig, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", pp_rank: int = 0, pp_size: int = 1,
-               partition: list[int] | None = None) -> nn.Module:
+               partition: list[int] | None = None, quantization: str = "none") -> nn.Module:
     """The model of pipeline stage `pp_rank` (TP sharding from runner.parallel_state), built from `hf_config` (the
-    checkpoint's config, read once with the engine's ModelInfo), weights loaded, in eval mode. Raises if the
-    checkpoint lacks a weight the stage needs."""
+    checkpoint's config, read once with the engine's ModelInfo), weights loaded, in eval mode. `quantization`: the
+    resolved setting (none, int8, int4 or gguf; config_resolver decides it). Raises if the checkpoint lacks a weight
+    the stage needs."""
     model_cls = get_model_cls(hf_config)
-    with _default_dtype(dtype), torch.device(device):
+    quant_config = get_quantization_config(quantization, hf_config)
+    with _default_dtype(dtype), torch.device(device), set_quant_config(quant_config):
         model = model_cls(hf_config, pp_rank=pp_rank, pp_size=pp_size, partition=partition)
-    prefixes = pp_missing_prefixes(model)
-    loaded = model.load_weights(iterate_weights(model_path, skip=lambda name: name.startswith(prefixes)))
+    loaded = model.load_weights(checkpoint_weights(model, model_path))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -77,5 +105,4 @@ def load_model(model_path: str | Path, hf_config: PretrainedConfig, dtype: torch
 
 def reload_weights(model: nn.Module, model_path: str | Path) -> None:
     """Load the checkpoint's weights again into `model`'s allocated parameters (sleep level 2's wake-up)."""
-    prefixes = pp_missing_prefixes(model)
-    model.load_weights(iterate_weights(model_path, skip=lambda name: name.startswith(prefixes)))
+    model.load_weights(checkpoint_weights(model, model_path))

@@ -1,0 +1,24 @@
+"""Quantized weights: the `quantization` setting (vLLM's field) -> the config that gives every layer its method."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from raylm.runner.layers.quantization.base_config import QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["get_quantization_config"]
+
+
+def get_quantization_config(method: str, hf_config: PretrainedConfig) -> QuantizationConfig | None:
+    """The config of `method` for this model, or None for `none`."""
+    if method == "none":
+        return None
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+        architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+        raise ValueError(f"quantization {method!r}: the experts of {architecture} (FusedMoE) are not quantized "
+                         "yet; use quantization 'none'")
+    from raylm.runner.layers.quantization.block_quant import BlockQuantConfig
+
+    return BlockQuantConfig(method, bool(getattr(hf_config, "tie_word_embeddings", False)))

@@ -1,0 +1,72 @@
+"""The matmul on weights kept in ggml block formats: raylm's CPU kernels (`runner/csrc/quant/block_gemm.cpp`), built
+once per machine like the other CPU kernels, or a dequantize-per-call path (plain torch) everywhere else.
+
+On CPU in float32 a batch of up to MAX_DIRECT_ROWS rows decodes each block of 32 weights in registers, once for all
+rows, and multiplies the integers by x directly; a larger batch decodes tiles of 256 weight rows to float32 and runs
+torch's sgemm on each. torch's own weight-only ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were slower
+than both on the CPUs measured (scripts/bench_quant_kernels.py), so they are not used.
+
+The dequantize-per-call path (CUDA, other dtypes, `custom_ops="none"`) keeps the weights packed in memory and makes a
+float copy of one layer's weight per call: correct everywhere, fast nowhere; a fused GPU kernel would replace it.
+"""
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from raylm.runner import cpu_kernels
+from raylm.runner.layers.quantization.ggml_blocks import BlockFormat, dequantize
+
+_SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "quant"
+# Batches of up to this many rows decode blocks in registers; larger ones decode tiles for sgemm. On a 2-core EPYC the
+# direct kernel ran 1.2-2x the tiled one up to 8 rows, the two met at 12-16, and tiles won from 32.
+MAX_DIRECT_ROWS = 12
+
+
+@cache
+def load(portable: bool = False) -> ModuleType | None:
+    """The compiled kernels, or None (one warning) where they cannot be built. `portable`: a separate build that
+    takes the plain-loop path a CPU without AVX2 + FMA runs, whatever this CPU has (the tests check it)."""
+    return cpu_kernels.load_extension(
+        "quant_kernels_portable" if portable else "quant_kernels", sorted(_SOURCES.glob("*.[ch]*")), "block_gemm.cpp",
+        "raylm: building the quantized matmul kernels (once per machine, ~20 s)...",
+        extra_cflags=("-DRAYLM_PORTABLE_KERNELS",) if portable else ())
+
+
+def kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The CPU kernels where they run activations of `dtype` on `device` (float32 on CPU, built, custom ops on)."""
+    if not cpu_kernels.is_enabled() or device.type != "cpu" or dtype != torch.float32:
+        return None
+    return load()
+
+
+_UNSET = object()
+
+
+def block_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None,
+                 ops: ModuleType | None | object = _UNSET, max_direct_rows: int = MAX_DIRECT_ROWS) -> torch.Tensor:
+    """y = x W^T (+ bias) with W [N, K] in `fmt`'s blocks (uint8 [N, fmt.row_bytes(K)]). `ops`: the kernels_for
+    decision when the caller made it once (a layer, at load), else made here."""
+    if ops is _UNSET:
+        ops = kernels_for(x.device, x.dtype)
+    if ops is None:
+        return F.linear(x, dequantize(packed, fmt).to(x.dtype), bias)
+    x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    y = ops.block_gemm(x2d, packed, fmt.ggml_type, packed.shape[0], max_direct_rows)  # type: ignore[union-attr]
+    if bias is not None:
+        y += bias
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def block_rows(packed: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of W as `dtype` (an embedding lookup on a quantized table)."""
+    flat = ids.reshape(-1)
+    ops = kernels_for(packed.device, dtype)
+    rows = (dequantize(packed[flat], fmt) if ops is None
+            else ops.block_dequantize(packed, flat.to(torch.int64).contiguous(), fmt.ggml_type,
+                                      packed.shape[1] // fmt.type_bytes * 32))
+    return rows.to(dtype).reshape(*ids.shape, -1)

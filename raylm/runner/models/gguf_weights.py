@@ -1,0 +1,108 @@
+"""A GGUF file's tensors under the Hugging Face names raylm's models load (`model.layers.0.self_attn.q_proj.weight`).
+
+Names map through the `gguf` package's own table (gguf.get_tensor_name_map), so `blk.0.attn_q.weight` becomes the
+HF name its converter read it from. For the llama architecture llama.cpp's converter reorders the rows of q and k
+(each head's two rotary halves interleaved, for its GPT-J style rope); they are put back in HF order here, on packed
+blocks as on floats, since a row's blocks never mix rows.
+
+A tensor bound for a layer that keeps blocks (`packed`: its checkpoint names) comes as a QuantizedTensor; every other
+one as a float tensor, dequantized when the file stores it quantized. A tensor with no place in the model, or of a
+type nothing here can read, is refused by name.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
+from gguf.quants import dequantize as gguf_dequantize
+
+from raylm.configs.gguf_metadata import gguf_architecture, gguf_reader, read_gguf_metadata
+from raylm.runner.layers.quantization.ggml_blocks import FORMATS, QuantizedTensor, dequantize
+
+if TYPE_CHECKING:
+    from gguf.gguf_reader import ReaderTensor
+    from transformers import PretrainedConfig
+
+# HF module names of the Llama-family models raylm runs, per layer and for the whole model.
+_LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
+                  "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                  "post_attention_layernorm")
+_MODEL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
+# Tensors whose content the config already carries (read by configs.gguf_metadata).
+_CONFIG_TENSORS = {"rope_freqs.weight"}
+_FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+
+
+def hf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
+    """{GGUF tensor name: HF parameter name} for `arch` (a general.architecture value)."""
+    model_arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
+    tensor_map = get_tensor_name_map(model_arch, num_layers)
+    modules = [*_MODEL_MODULES, *(f"model.layers.{i}.{m}" for i in range(num_layers) for m in _LAYER_MODULES)]
+    names = {}
+    for module in modules:
+        gguf_name = tensor_map.get_name(module)
+        if gguf_name is not None:
+            names.update({f"{gguf_name}.weight": f"{module}.weight", f"{gguf_name}.bias": f"{module}.bias"})
+    return names
+
+
+def iterate_gguf_weights(path: str | Path, hf_config: PretrainedConfig, packed: Collection[str] = (),
+                         skip: Callable[[str], bool] = lambda name: False
+                         ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """(HF name, tensor) for every tensor of the file that `skip` keeps: a QuantizedTensor for names in `packed`
+    stored in a block format, else a float32 (or the file's float dtype) CPU tensor."""
+    metadata, _ = read_gguf_metadata(str(path))
+    arch = gguf_architecture(metadata)
+    names = hf_tensor_names(arch, hf_config.num_hidden_layers)
+    heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
+    for tensor in gguf_reader(str(path)).tensors:
+        if tensor.name in _CONFIG_TENSORS:
+            continue
+        name = names.get(tensor.name)
+        if name is None:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has no counterpart in raylm's {arch} model")
+        if skip(name):
+            continue
+        value = _read(tensor, name in packed)
+        module = name.split(".")[-2]
+        if arch == "llama" and module in heads:
+            value = _unpermute_rows(value, heads[module])
+        yield name, value
+
+
+def _read(tensor: ReaderTensor, keep_blocks: bool) -> torch.Tensor | QuantizedTensor:
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    data = np.array(tensor.data)  # a copy out of the memory map
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+    if qtype in _FLOAT_TYPES:
+        values = torch.from_numpy(data)
+        if qtype == GGMLQuantizationType.BF16:
+            values = values.view(torch.int16).view(torch.bfloat16)
+        return values.reshape(shape)
+    fmt = FORMATS.get(qtype.name)
+    blocks = torch.from_numpy(data).reshape(shape[0] if len(shape) > 1 else 1, -1)
+    if keep_blocks:
+        return QuantizedTensor(tensor.name, blocks if fmt is not None else None, fmt, qtype.name)
+    if fmt is not None:
+        return dequantize(blocks, fmt).reshape(shape)
+    try:
+        return torch.from_numpy(gguf_dequantize(data, qtype)).reshape(shape)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {tensor.name!r} is of type {qtype.name}, which the gguf package cannot "
+                         "dequantize") from None
+
+
+def _unpermute_rows(value: torch.Tensor | QuantizedTensor, num_heads: int) -> torch.Tensor | QuantizedTensor:
+    """Undo llama.cpp's q/k row order: within a head, row 2i (first rotary half) and 2i + 1 (second half) go back
+    to rows i and i + head_dim / 2."""
+    if isinstance(value, QuantizedTensor):
+        if value.blocks is None:
+            return value
+        return QuantizedTensor(value.name, _unpermute_rows(value.blocks, num_heads), value.format, value.type_name)
+    rows = value.shape[0]
+    return (value.reshape(num_heads, rows // num_heads // 2, 2, *value.shape[1:]).transpose(1, 2)
+            .reshape(value.shape).contiguous())

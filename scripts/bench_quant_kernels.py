@@ -1,0 +1,119 @@
+"""Weight-only quantized matmul kernels on CPU, side by side on one model's weight shapes: float32 F.linear, torch's own
+weight-only ops (`_weight_int8pack_mm`: int8, one scale per output channel; `_weight_int4pack_mm_for_cpu`: 4-bit
+groups of 32 with a scale and a zero, fed float32 or bfloat16 activations) and raylm's block kernels (Q8_0, Q4_1).
+
+Each kernel cycles through enough copies of its weights to overflow the CPU caches (as a decode step streams every
+layer's weights from memory), the kernels' calls interleave, and each figure is the median of the rounds. torch's int4
+op runs Q4_1's exact numbers (zero = m + 8 d); its int8 op needs per-channel scales, so it gets its own quantization.
+
+    python scripts/bench_quant_kernels.py [--shapes smollm2|100m] [--rows 1 4 32 256] [--rounds 15]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raylm.runner.layers.quantization import kernels  # noqa: E402
+from raylm.runner.layers.quantization.ggml_blocks import Q4_1, Q8_0, dequantize, quantize  # noqa: E402
+from scripts.bench_common import machine_line  # noqa: E402
+
+# (name, out_features, in_features): the fused layers as raylm runs them.
+SHAPES = {
+    "smollm2": [("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576), ("down_proj", 576, 1536),
+                ("lm_head", 49152, 576)],
+    "100m": [("qkv_proj", 1280, 768), ("o_proj", 768, 768), ("gate_up_proj", 6144, 768), ("down_proj", 768, 3072)],
+}
+_STREAM_BYTES = 256 << 20  # float32 weight copies per shape: past any last-level cache here
+
+
+def _torch_int4(packed_q4_1: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 blocks as torch's int4 CPU layout: q unchanged, scale d, zero m + 8 d (its (q - 8) * scale + zero)."""
+    blocks = packed_q4_1.reshape(n, -1, Q4_1.type_bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    q = torch.cat([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], dim=-1).reshape(n, k).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return packed, torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous()
+
+
+def kernels_for_shape(n: int, k: int, copies: int) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
+    """name -> call(x, copy index), each checked against its dequantize-then-matmul on one input first."""
+    floats = [torch.randn(n, k) * 0.05 for _ in range(copies)]
+    q8 = [quantize(w, Q8_0) for w in floats]
+    q4 = [quantize(w, Q4_1) for w in floats]
+    scales = [w.abs().amax(1) / 127 for w in floats]
+    int8 = [torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8) for w, s in zip(floats, scales)]
+    int4 = [_torch_int4(p, n, k) for p in q4]
+    int4_bf16 = [(p, sz.bfloat16()) for p, sz in int4]
+    calls: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        "float32": lambda x, i: F.linear(x, floats[i]),
+        "torch int8": lambda x, i: torch.ops.aten._weight_int8pack_mm(x, int8[i], scales[i]),
+        "torch int4": lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[i][0], 32, int4[i][1]),
+        "torch int4 bf16": lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.bfloat16(), int4_bf16[i][0], 32, int4_bf16[i][1]),
+        "raylm Q8_0": lambda x, i: kernels.block_linear(x, q8[i], Q8_0, None),
+        "raylm Q4_1": lambda x, i: kernels.block_linear(x, q4[i], Q4_1, None),
+    }
+    references = {"float32": floats[0], "torch int8": int8[0].float() * scales[0][:, None],
+                  "torch int4": dequantize(q4[0], Q4_1), "torch int4 bf16": dequantize(q4[0], Q4_1),
+                  "raylm Q8_0": dequantize(q8[0], Q8_0), "raylm Q4_1": dequantize(q4[0], Q4_1)}
+    x = torch.randn(3, k)
+    for name, call in calls.items():
+        tolerance = 5e-2 if "bf16" in name else 1e-3
+        torch.testing.assert_close(call(x, 0).float(), x @ references[name].T, rtol=tolerance, atol=tolerance)
+    return calls
+
+
+def bench(shapes: list[tuple[str, int, int]], rows: list[int], rounds: int) -> None:
+    header = ["layer", "rows"]
+    results: list[list[str]] = []
+    for layer, n, k in shapes:
+        copies = max(2, _STREAM_BYTES // (n * k * 4))
+        calls = kernels_for_shape(n, k, copies)
+        header = ["layer", "rows", *[f"{name} (us)" for name in calls], "best"]
+        for m in rows:
+            x = torch.randn(m, k)
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            for _ in range(2):  # warm-up: first calls pack, allocate, fault the copies in
+                for call in calls.values():
+                    for i in range(copies):
+                        call(x, i)
+            for r in range(rounds):
+                for name, call in calls.items():
+                    start = time.perf_counter()
+                    call(x, r % copies)
+                    times[name].append(time.perf_counter() - start)
+            medians = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+            best = min(medians, key=medians.__getitem__)
+            results.append([f"{layer} {n}x{k}", str(m), *[f"{v:.0f}" for v in medians.values()], best])
+            print(" | ".join(results[-1]), file=sys.stderr, flush=True)
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in results:
+        print("| " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", choices=SHAPES, default="smollm2")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 256])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    assert kernels.load() is not None, "raylm's quantized kernels did not build"
+    before = machine_line()
+    print(before, file=sys.stderr)
+    bench(SHAPES[args.shapes], args.rows, args.rounds)
+    print(f"\n{torch.get_num_threads()} threads, median of {args.rounds} interleaved calls, weights streamed from "
+          f"memory (copies past the caches)\nbefore: {before}\nafter:  {machine_line()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""GGUF files written by the tests themselves, from the tiny random checkpoints, through the `gguf` package's writer:
+llama.cpp's metadata keys and tensor names, its q/k row order for the llama architecture, the tokenizer as
+metadata, and the linear weights quantized to the type asked for."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+from raylm.cluster.tiny_tokenizer import SPECIAL_TOKENS
+
+ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+PRE_TOKENIZERS = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+
+
+def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter order of q/k rows (each head's two rotary halves interleaved)."""
+    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2) \
+        .reshape(weight.shape)
+
+
+def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationType,
+               embedding_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0) -> Path:
+    """`checkpoint` (an HF folder from make_tiny_model) as a GGUF file at `out`."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    arch = ARCHS[config["architectures"][0]]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    _add_tokenizer(writer, checkpoint, PRE_TOKENIZERS[arch])
+    tensor_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
+                                          config["num_hidden_layers"])
+    for name, weight in load_file(checkpoint / "model.safetensors").items():
+        gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        weight = weight.astype(np.float32)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            weight = _llama_permute(weight, heads if ".q_proj." in name else kv_heads)
+        qtype = gguf.GGMLQuantizationType.F32
+        if weight.ndim == 2:
+            qtype = embedding_type if "embed_tokens" in name or name.startswith("lm_head") else linear_type
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, weight)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name, weight.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, checkpoint: Path, pre: str) -> None:
+    tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
+    vocab = dict(tokenizer["model"]["vocab"])
+    for added in tokenizer["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges(merges)
+    tokenizer_config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    writer.add_bos_token_id(vocab[tokenizer_config["bos_token"]])
+    writer.add_eos_token_id(vocab[tokenizer_config["eos_token"]])
+    writer.add_pad_token_id(vocab[tokenizer_config["pad_token"]])
+    writer.add_add_bos_token(True)
+    template = checkpoint / "chat_template.jinja"
+    writer.add_chat_template(template.read_text() if template.exists() else tokenizer_config["chat_template"])

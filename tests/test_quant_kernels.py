@@ -1,0 +1,102 @@
+"""The block formats and their matmul kernels: quantize/dequantize bit for bit as the gguf package does, and the
+CPU kernels (few rows: blocks decoded in registers; many rows: tiles for sgemm) and the dequantize-per-call path equal
+to dequantize-then-matmul, on odd shapes."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from raylm.runner import cpu_kernels
+from raylm.runner.layers.quantization import kernels
+from raylm.runner.layers.quantization.ggml_blocks import FORMATS, BlockFormat, dequantize, quantize
+
+SHAPES = [(1, 1, 32), (1, 37, 96), (3, 5, 32), (7, 129, 160), (13, 64, 288), (40, 33, 96)]  # (rows of x, N, K)
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator) * torch.logspace(-2, 1, n).unsqueeze(1)
+    weight[0, :32] = 0  # a block of zeros: scale 0
+    return weight
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_quantize_and_dequantize_match_gguf(fmt: BlockFormat) -> None:
+    weight = _weight(37, 160, seed=1)
+    weight[1, 40] = -weight[1, 32:64].abs().max()  # an extreme of either sign in one block
+    ours = quantize(weight, fmt)
+    theirs = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType(fmt.ggml_type))
+    assert np.array_equal(ours.numpy(), theirs)
+    assert np.array_equal(dequantize(ours, fmt).numpy(),
+                          gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType(fmt.ggml_type)))
+
+
+def _reference(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ dequantize(packed, fmt).double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+@pytest.mark.parametrize("max_direct_rows", [0, 1 << 20], ids=["tiled", "direct"])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_cpu_kernels_equal_dequantize_then_matmul(fmt: BlockFormat, max_direct_rows: int, m: int, n: int,
+                                                  k: int) -> None:
+    assert kernels.load() is not None, "the quantized kernels did not build"
+    packed = quantize(_weight(n, k, seed=n * k), fmt)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n) if m % 2 else None
+    y = kernels.block_linear(x, packed, fmt, bias, kernels.load(), max_direct_rows=max_direct_rows)
+    reference = _reference(x, packed, fmt, bias)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_portable_path_equals_dequantize_then_matmul(fmt: BlockFormat) -> None:
+    """The plain-loop path (CPUs without AVX2 + FMA), built here on purpose although this CPU may have AVX2: both
+    GEMM paths and the row lookup on a shape with a partial 4-row group and more blocks than one register set."""
+    ops = kernels.load(portable=True)
+    assert ops is not None and ops is not kernels.load(), "the portable quantized kernels did not build"
+    m, n, k = 7, 129, 160
+    packed = quantize(_weight(n, k, seed=5), fmt)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    reference = _reference(x, packed, fmt, None)
+    for max_direct_rows in (0, 1 << 20):
+        y = kernels.block_linear(x, packed, fmt, None, ops, max_direct_rows=max_direct_rows)
+        torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    ids = torch.tensor([128, 0, 5])
+    assert torch.equal(ops.block_dequantize(packed, ids, fmt.ggml_type, k), dequantize(packed, fmt)[ids])
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_rows_lookup(fmt: BlockFormat) -> None:
+    packed = quantize(_weight(37, 96, seed=2), fmt)
+    ids = torch.tensor([[3, 0], [36, 3]])
+    rows = kernels.block_rows(packed, ids, fmt, torch.float32)
+    assert torch.equal(rows, dequantize(packed, fmt)[ids])
+
+
+def test_dequantize_per_call_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without raylm's kernels (custom_ops none; and every non-CPU device) the layer dequantizes per call."""
+    fmt = FORMATS["Q4_1"]
+    packed, x = quantize(_weight(33, 96, seed=3), fmt), torch.randn(5, 96)
+    cpu_kernels.set_enabled(False)
+    assert kernels.kernels_for(x.device, x.dtype) is None
+    y = kernels.block_linear(x, packed, fmt, None)
+    torch.testing.assert_close(y.double(), _reference(x, packed, fmt, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+def test_cuda_path_keeps_blocks_and_matches_cpu(fmt: BlockFormat) -> None:
+    """On CUDA the blocks stay packed in device memory and each call dequantizes them (a plain torch path)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    packed, x = quantize(_weight(129, 160, seed=4), fmt), torch.randn(7, 160)
+    y = kernels.block_linear(x.cuda(), packed.cuda(), fmt, None)
+    assert y.is_cuda
+    torch.testing.assert_close(y.cpu().double(), _reference(x, packed, fmt, None), rtol=1e-4, atol=1e-4)
+    rows = kernels.block_rows(packed.cuda(), torch.tensor([0, 5], device="cuda"), fmt, torch.bfloat16)
+    assert rows.dtype == torch.bfloat16 and rows.is_cuda

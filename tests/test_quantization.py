@@ -1,0 +1,125 @@
+"""`quantization: int8 | int4` on a float checkpoint, and TP over packed weights.
+
+The oracle for a quantized float checkpoint is transformers on the same checkpoint with each weight the engine
+quantizes replaced by its dequantized blocks (Q8_0 for int8 and every LM head, Q4_1 for int4's linears): the same
+numbers, so greedy output must match. TP=2 shards the packed bytes; it must give the single device's output."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from raylm.cluster import LLM, SamplingParams
+from raylm.cluster.tiny_model import make_tiny_model
+from raylm.runner.layers.linear import RowParallelLinear
+from raylm.runner.layers.quantization import get_quantization_config
+from raylm.runner.layers.quantization.base_config import set_quant_config
+from raylm.runner.layers.quantization.ggml_blocks import Q4_1, Q8_0, dequantize, quantize
+from tests.gguf_files import write_gguf
+from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
+
+MAX_TOKENS = 10
+PROMPTS = [[5, 17, 33, 400, 12], list(range(10, 70)), [300] * 3, [7]]
+ENGINE = dict(max_model_len=128, block_size=16, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def tied_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """hidden 64 (two 32-weight blocks per TP rank at TP=2), tied embeddings: the LM head is the embedding."""
+    return make_tiny_model(tmp_path_factory.mktemp("quant") / "tied", num_layers=2, hidden_size=64,
+                           intermediate_size=128, vocab_size=512, tie_word_embeddings=True)
+
+
+def _generate(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def _run(path: Path, **settings: object) -> list[tuple[list[int], list[dict[int, float]]]]:
+    llm = LLM(model=str(path), **ENGINE, **settings)
+    try:
+        return _generate(llm)
+    finally:
+        llm.shutdown()
+
+
+def _fake_quantized(path: Path, method: str, out: Path) -> Path:
+    """The checkpoint with every weight the engine quantizes replaced by its dequantized blocks."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    linear_format = Q8_0 if method == "int8" else Q4_1
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                fmt = Q8_0 if name == "lm_head" else linear_format
+                module.weight.copy_(dequantize(quantize(module.weight, fmt), fmt))
+        if model.config.tie_word_embeddings:  # one tensor, quantized once, as the LM head's
+            embedding = model.get_input_embeddings().weight
+            embedding.copy_(dequantize(quantize(embedding, Q8_0), Q8_0))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_float_checkpoint_matches_its_dequantized_twin(checkpoints: dict[str, Path], arch: str,
+                                                                 method: str, tmp_path: Path) -> None:
+    reference = hf_greedy(_fake_quantized(checkpoints[arch], method, tmp_path / "twin"), PROMPTS, MAX_TOKENS)
+    assert check_logprobs_close(reference, _run(checkpoints[arch], quantization=method), f"{arch} {method}") == 0
+
+
+def test_tied_embedding_is_quantized_once(tied_path: Path, tmp_path: Path) -> None:
+    reference = hf_greedy(_fake_quantized(tied_path, "int4", tmp_path / "twin"), PROMPTS, MAX_TOKENS)
+    assert check_logprobs_close(reference, _run(tied_path, quantization="int4"), "tied int4") == 0
+
+
+@pytest.fixture(scope="module")
+def tied_gguf(tied_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tied_path, tmp_path_factory.mktemp("quant-gguf") / "tied-Q4_1.gguf",
+                      gguf.GGMLQuantizationType.Q4_1)
+
+
+@pytest.fixture(scope="module")
+def single_device(tied_path: Path, tied_gguf: Path) -> dict[str, list[tuple[list[int], list[dict[int, float]]]]]:
+    return {"int4": _run(tied_path, quantization="int4"), "gguf": _run(tied_gguf)}
+
+
+@pytest.mark.parametrize("source", ["int4", "gguf"])
+def test_tp2_on_packed_weights_equals_one_device(ray_cluster: None, tied_path: Path, tied_gguf: Path, source: str,
+                                                 single_device: dict[str, list]) -> None:
+    """Column-parallel layers split the block rows, row-parallel ones whole blocks of each row, the vocabulary-
+    parallel embedding and LM head their rows: TP=2 must generate what one device does."""
+    path, settings = (tied_path, {"quantization": "int4"}) if source == "int4" else (tied_gguf, {})
+    ours = _run(path, tensor_parallel_size=2, **settings)
+    assert_same_output(ours, single_device[source])
+
+
+@pytest.fixture
+def int4_llm(checkpoints: dict[str, Path]) -> Iterator[LLM]:
+    llm = LLM(model=str(checkpoints["llama"]), quantization="int4", distributed_executor_backend="uni", **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def test_sleep_level_2_reloads_packed_weights(int4_llm: LLM) -> None:
+    expected = _generate(int4_llm)
+    int4_llm.sleep(2)
+    int4_llm.wake_up()
+    assert_same_output(_generate(int4_llm), expected)
+
+
+def test_row_parallel_input_must_hold_whole_blocks() -> None:
+    config = get_quantization_config("int8", AutoConfig.for_model("llama"))
+    with set_quant_config(config), pytest.raises(ValueError, match="48 input features per TP rank, not a multiple"):
+        RowParallelLinear(48, 64)
+
+
+def test_moe_models_are_refused() -> None:
+    config = AutoConfig.for_model("mixtral", architectures=["MixtralForCausalLM"])
+    with pytest.raises(ValueError, match="experts of MixtralForCausalLM .* not quantized yet"):
+        get_quantization_config("int4", config)
