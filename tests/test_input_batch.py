@@ -58,7 +58,7 @@ def test_slot_mapping_hand_computed() -> None:
                             NewRequestData("b", list(range(30, 35)), [], params, [2], 0)],
         scheduled_cached_reqs=CachedRequestData(), num_scheduled_tokens={"a": 6, "b": 3},
         total_num_scheduled_tokens=9, finished_req_ids=set())
-    runner._update_states(step1)
+    runner.states.update(step1, True)
     buffers = runner.buffers
     inputs = buffers.prepare(step1, runner.input_batch)
     assert inputs.num_tokens == 9 and not inputs.uniform_decode
@@ -78,7 +78,7 @@ def test_slot_mapping_hand_computed() -> None:
         scheduled_cached_reqs=CachedRequestData(req_ids=["a", "b"], new_block_ids=[[], [5]],
                                                 num_computed_tokens=[6, 3], new_token_ids=[[], []]),
         num_scheduled_tokens={"a": 1, "b": 2}, total_num_scheduled_tokens=3, finished_req_ids=set())
-    runner._update_states(step2)
+    runner.states.update(step2, True)
     inputs = buffers.prepare(step2, runner.input_batch)
     assert buffers.slot_mapping.np[:3].tolist() == [30, 11, 20]
     assert buffers.positions.np[:3].tolist() == [6, 3, 4]

@@ -31,7 +31,7 @@ from raylm.runner.forward_context import set_forward_context
 from raylm.runner.forward_counts import CountForwards, ForwardCounts
 from raylm.runner.forward_log import ForwardLog
 from raylm.runner.host_sync import to_host
-from raylm.runner.input_batch import CachedRequestState, InputBatch
+from raylm.runner.input_batch import InputBatch
 from raylm.runner.input_buffers import InputBuffers
 from raylm.runner.kv_transfer.base import KVConnectorBase
 from raylm.runner.kv_transfer.model_runner_hooks import (
@@ -45,6 +45,7 @@ from raylm.runner.models.loader import load_model, reload_weights
 from raylm.runner.parallel_state import get_dp_group, get_pp_group
 from raylm.runner.profile_run import ProfileRun
 from raylm.runner.prompt_logprobs import PromptLogprobsProcessor
+from raylm.runner.request_states import RequestStates
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_inputs import SamplingMetadataBuilder, to_logprobs_lists
 from raylm.runner.sleep_mode import SleepMode
@@ -83,7 +84,6 @@ class ModelRunner:
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         cpu_kernels.set_enabled(config.compilation_config.custom_ops != "none")
 
-        self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks_per_req, model_info.vocab_size)
         spec = config.speculative_config
         self.uniform_decode_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
@@ -108,6 +108,7 @@ class ModelRunner:
         self.execute_model_state: ExecuteModelState | None = None
         self.spec_decoder = (None if config.speculative_config is None else
                              SpecDecoder(config, self.attn_backend, self.dtype, device))
+        self.states = RequestStates(self.input_batch, self.prompt_logprobs, self.spec_decoder)
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -174,7 +175,7 @@ class ModelRunner:
             raise RuntimeError("execute_model called twice without sample_tokens: the previous step's logits "
                                "were never sampled")
         with tracing.span("update_states"):
-            self._update_states(scheduler_output)
+            self.states.update(scheduler_output, get_pp_group().is_last_rank)
         if scheduler_output.total_num_scheduled_tokens == 0:
             if self.planner is not None and self.planner.coordinates:
                 self.execute_dummy_batch()  # the other DP ranks' forwards wait for this one in their collectives
@@ -247,58 +248,6 @@ class ModelRunner:
         idle DP rank joins the collectives of the ranks with work. Nothing is sampled; the InputBatch is untouched."""
         self.buffers.pad(0, 1)  # a dummy batch is padding only
         self._run_forward(1, 1, True, None, None)
-
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        batch = self.input_batch
-        for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
-            self.prompt_logprobs.remove_request(req_id)
-            if self.spec_decoder is not None:
-                self.spec_decoder.remove_request(req_id)
-            batch.remove_request(req_id)
-        # Requests not scheduled this step leave the batch but keep their state (the order of removals does not
-        # matter: holes are refilled lowest first).
-        for req_id in batch.req_id_to_index.keys() - scheduler_output.num_scheduled_tokens.keys():
-            batch.remove_request(req_id)
-
-        for new in scheduler_output.scheduled_new_reqs:
-            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
-                                       new.sampling_params, list(new.block_ids), new.num_computed_tokens,
-                                       new.lora_request)
-            self.requests[new.req_id] = state
-            batch.add_request(state)
-            self.prompt_logprobs.add_request(new)
-
-        cached = scheduler_output.scheduled_cached_reqs
-        requests, req_id_to_index = self.requests, batch.req_id_to_index
-        receives_tokens = any(cached.new_token_ids) and not get_pp_group().is_last_rank
-        # Rows already in the batch get their computed-token counts in one numpy write.
-        rows: list[int] = []
-        rows_num_computed: list[int] = []
-        for i, (req_id, new_block_ids, num_computed) in enumerate(
-                zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens)):
-            state = requests[req_id]
-            if self.spec_decoder is not None:  # async scheduling counted every draft in flight as accepted
-                num_computed = self.spec_decoder.correct_num_computed(req_id, num_computed)
-            state.num_computed_tokens = num_computed
-            row = req_id_to_index.get(req_id)
-            if row is None:
-                state.block_ids.extend(new_block_ids)
-                row = batch.add_request(state)
-            else:
-                if new_block_ids:  # most decode steps need no new block
-                    state.block_ids.extend(new_block_ids)
-                    batch.block_table.append_row(row, new_block_ids)
-                rows.append(row)
-                rows_num_computed.append(num_computed)
-            # Only ranks that did not sample these tokens themselves (PP > 1) are sent them.
-            if receives_tokens:
-                for token in cached.new_token_ids[i]:
-                    batch.append_token(row, token)
-                    state.output_token_ids.append(token)
-        if rows:
-            batch.num_computed_tokens_cpu[rows] = rows_num_computed
-        batch.condense()
 
     # ---- the forward -----------------------------------------------------------------------
 
