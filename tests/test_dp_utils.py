@@ -189,8 +189,9 @@ def test_padded_forward_samples_the_same(llama_path: Path, monkeypatch: pytest.M
     decide = runner.planner.determine_batch_execution_and_padding
     seen: list[BatchDescriptor] = []
 
-    def pad_by_three(num_tokens: int, num_reqs: int, uniform_decode: bool) -> BatchDescriptor:
-        descriptor = dataclasses.replace(decide(num_tokens, num_reqs, uniform_decode), num_tokens_padded=num_tokens + 3)
+    def pad_by_three(num_tokens: int, num_reqs: int, uniform_decode: bool, has_lora: bool) -> BatchDescriptor:
+        descriptor = dataclasses.replace(decide(num_tokens, num_reqs, uniform_decode, has_lora),
+                                         num_tokens_padded=num_tokens + 3)
         seen.append(descriptor)
         return descriptor
 
