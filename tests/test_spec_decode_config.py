@@ -18,7 +18,6 @@ from raylm.cluster.openai.metrics import PrometheusStatLogger
 from raylm.cluster.spec_decode import SpecDecodingStats
 from raylm.cluster.stats import IterationStats, LoggingStatLogger, SchedulerStats
 from raylm.cluster.tiny_model import make_tiny_model
-from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs import add_engine_args, engine_args_from, make_engine_config
 
 
@@ -140,14 +139,3 @@ def test_engine_logs_the_mean_acceptance_length(llama_path: Path, caplog: pytest
     assert stats is not None and stats.num_drafts > 0
     lines = [record.getMessage() for record in caplog.records if record.name == "raylm.stats"]
     assert any(re.search(r"Mean acceptance length: [\d.]+, Draft acceptance rate: [\d.]+%$", line) for line in lines)
-
-
-def test_constrained_requests_are_refused_while_speculating(llama_path: Path) -> None:
-    # Drafts are not checked against a grammar: the engine says so instead of sampling outside the constraint.
-    llm = LLM(model=str(llama_path), max_model_len=64, disable_log_stats=True,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
-    with pytest.raises(ValueError, match="an engine with speculative_config does not"):
-        llm.generate(["x"], constrained, use_tqdm=False)
-    assert llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
-    llm.shutdown()

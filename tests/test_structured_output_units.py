@@ -47,6 +47,15 @@ def test_bitmask_rows_follow_request_ids_and_pad_the_vocabulary() -> None:
     assert torch.isfinite(sign_bits[0]).nonzero().flatten().tolist() == [31, 63]  # each word's sign bit: its last token
 
 
+def test_bitmask_rows_with_drafts_cover_each_requests_logits_rows() -> None:
+    # Logits rows: a (2 drafts + bonus), b (bonus), c (1 draft + bonus); c is not constrained.
+    logits = torch.zeros(6, 64)
+    output = GrammarOutput(["b", "a"], packed([[9], [1], [2], [3]], 2))
+    apply_grammar_bitmask(logits, output, ["a", "b", "c"], [2, 0, 1])
+    finite = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+    assert finite[:4] == [[1], [2], [3], [9]] and finite[4] == finite[5] == list(range(64))
+
+
 def make_scheduler() -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(), 128, 64, 16)
 
@@ -96,7 +105,7 @@ def backends(setting: str) -> tuple[str, ...]:
 
 def test_the_resolver_decides_the_backend_list() -> None:
     assert backends("auto") == ("xgrammar", "guidance") and backends("guidance") == ("guidance",)
-    with pytest.raises(ValueError, match="this engine enforces no output constraints"):
+    with pytest.raises(ValueError, match="enforces no output constraints .its config was resolved without grammar"):
         validate_structured_outputs(StructuredOutputsParams(regex="a"), ())
 
 

@@ -81,8 +81,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     max_concurrent_batches = 1 if dp_lockstep else pp + int(scheduler.async_scheduling)
     speculative, draft_model_info = _resolve_speculative(config, model_info, max_model_len, dp_lockstep)
     compilation = config.compilation_config
-    # Drafts are not checked against a grammar yet, so an engine that speculates refuses constrained requests.
-    grammar_backends = () if speculative else structured_outputs_backends(config.structured_outputs_config)
+    grammar_backends = structured_outputs_backends(config.structured_outputs_config)
     attention_backend = choose_attn_backend(config.cache_config.attention_backend, device, _TORCH_DTYPES[dtype],
                                             config.cache_config.block_size, custom_ops=compilation.custom_ops != "none")
 

@@ -93,7 +93,7 @@ class EngineCore:
         scheduler_output = self._schedule()
         grammar_req_ids = self.structured_output_manager.sampling_requests(scheduler_output, self.scheduler.requests)
         future = self._execute_model(scheduler_output)
-        grammar_output = self._grammar_bitmask(grammar_req_ids)  # while the forward runs
+        grammar_output = self._grammar_bitmask(scheduler_output, grammar_req_ids)  # while the forward runs
         with tracing.span("execute_model"):
             output = future.result()
         if output is None:
@@ -108,7 +108,8 @@ class EngineCore:
 
         Under async scheduling a constrained request's next step is planned before its last token is known; the
         bitmask needs that token, so the step's forward starts and its sampling waits for the step before (vLLM's
-        deferred sampling), and nothing more is scheduled meanwhile."""
+        deferred sampling), and nothing more is scheduled meanwhile. Such a request verifies no drafts: they would be
+        placeholders, proposed by the runner after the engine has filled the bitmask."""
         queue = self.batch_queue
         assert queue is not None
         if self.deferred_step is None and len(queue) < queue.maxlen and self.scheduler.has_unfinished_requests():
@@ -123,8 +124,8 @@ class EngineCore:
                     if self._sampled_in_flight(grammar_req_ids):
                         self.deferred_step = (scheduler_output, execute_future, grammar_req_ids)
                     else:
-                        queue.append((scheduler_output, execute_future,
-                                      self.executor.sample_tokens(self._grammar_bitmask(grammar_req_ids))))
+                        grammar_output = self._grammar_bitmask(scheduler_output, grammar_req_ids)
+                        queue.append((scheduler_output, execute_future, self.executor.sample_tokens(grammar_output)))
                 if self.deferred_step is None and len(queue) < queue.maxlen and not queue[0][2].done():
                     return []
         if not queue:
@@ -140,7 +141,7 @@ class EngineCore:
             deferred_output, deferred_future, grammar_req_ids = self.deferred_step
             self.deferred_step = None
             queue.append((deferred_output, deferred_future,
-                          self.executor.sample_tokens(self._grammar_bitmask(grammar_req_ids))))
+                          self.executor.sample_tokens(self._grammar_bitmask(deferred_output, grammar_req_ids))))
         return outputs
 
     def _sampled_in_flight(self, req_ids: list[str]) -> bool:
@@ -148,11 +149,12 @@ class EngineCore:
         assert self.batch_queue is not None
         return any(req_id in step[0].num_scheduled_tokens for step in self.batch_queue for req_id in req_ids)
 
-    def _grammar_bitmask(self, req_ids: list[str]) -> GrammarOutput | None:
+    def _grammar_bitmask(self, scheduler_output: SchedulerOutput, req_ids: list[str]) -> GrammarOutput | None:
         if not req_ids:
             return None
         with tracing.span("grammar_bitmask", num_requests=len(req_ids)):
-            return self.structured_output_manager.grammar_bitmask(self.scheduler.requests, req_ids)
+            return self.structured_output_manager.grammar_bitmask(self.scheduler.requests, req_ids,
+                                                                  scheduler_output.scheduled_spec_decode_tokens)
 
     def _execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
         """Every step sent to the workers goes through here, so num_steps matches the workers' own count."""

@@ -283,7 +283,8 @@ class Scheduler:
                 finished_requests.add(request)
                 kv_transfer_params = self._free_request(request)
             elif model_runner_output.spec_token_ids:
-                request.spec_token_ids = model_runner_output.spec_token_ids[row]
+                drafts = model_runner_output.spec_token_ids[row]
+                request.spec_token_ids = drafts if grammar is None else grammar.validate_tokens(request, drafts)
             outputs.append(EngineCoreOutput(
                 req_id, sampled[:num_new_tokens], request.get_finished_reason() if finished else None,
                 request.stop_reason, logprobs, max(request.num_cached_tokens, 0),

@@ -89,9 +89,13 @@ class DraftScheduling:
         """The drafts to verify after the request's `num_new_tokens` regular tokens: only in a decode step (its one
         remaining token), capped so that the budget holds, and so that no draft lies past max_tokens or max_model_len
         (one token always follows the accepted drafts). Under async scheduling a request whose last step is still
-        out gets placeholders, as many as its last proposal had."""
+        out gets placeholders, as many as its last proposal had; a constrained one gets none: its bitmask needs every
+        draft, and a placeholder is only known to the runner (its sampling waits for its last step anyway, so every
+        step of it would have placeholders)."""
         pending = request.num_tokens + request.num_output_placeholders
         if num_new_tokens != 1 or pending - request.num_computed_tokens != 1:
+            return []
+        if self.async_scheduling and request.structured_output_request is not None:
             return []
         room = min(budget - num_new_tokens, self.max_model_len - pending - 1,
                    request.max_tokens - (pending - request.num_prompt_tokens) - 1)

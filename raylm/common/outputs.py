@@ -65,10 +65,11 @@ class SchedulerOutput:
 @dataclass
 class GrammarOutput:
     """The step's token bitmask (vLLM's name), filled by the engine while the forward runs: one packed row per
-    constrained request that samples, bit t of a row set when token t is allowed."""
+    position a constrained request samples (1 + its scheduled drafts), request after request, bit t of a row set
+    when token t is allowed."""
 
     structured_output_request_ids: list[str]
-    grammar_bitmask: np.ndarray  # int32 [len(structured_output_request_ids), ceil(vocab_size / 32)]
+    grammar_bitmask: np.ndarray  # int32 [rows of those requests, ceil(vocab_size / 32)]
 
 
 @dataclass

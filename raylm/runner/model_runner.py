@@ -215,17 +215,17 @@ class ModelRunner:
         if state is None:
             return None  # non-last pipeline stage, or execute_model already answered
         self.execute_model_state = None
-        batch, rows = self.input_batch, state.sampling_rows
+        batch, rows, spec_metadata = self.input_batch, state.sampling_rows, state.spec_decode_metadata
+        if grammar_output is not None:  # with drafts: every logits row of a constrained request, drafts' and bonus
+            apply_grammar_bitmask(state.logits, grammar_output, [batch.req_ids[row] for row in rows.tolist()],
+                                  None if spec_metadata is None else spec_metadata.num_draft_tokens)
         if self.spec_decoder is not None:
-            assert grammar_output is None, "constrained requests are refused with speculative decoding"
             with tracing.span("sample"):
-                spec = self.spec_decoder.sample(state.logits, state.spec_decode_metadata, rows, batch,
+                spec = self.spec_decoder.sample(state.logits, spec_metadata, rows, batch,
                                                 self.sampling_metadata.build(batch, rows), state.hidden_states)
             return ModelRunnerOutput(list(batch.req_ids[: batch.num_reqs]), spec.sampled_token_ids, spec.logprobs,
                                      self.prompt_logprobs.pop_completed(), spec.spec_token_ids,
                                      kv_connector_output=state.kv_connector_output)
-        if grammar_output is not None:
-            apply_grammar_bitmask(state.logits, grammar_output, [batch.req_ids[row] for row in rows.tolist()])
         with tracing.span("sample"):
             sampler_output = self.sampler(state.logits, self.sampling_metadata.build(batch, rows))
             sampled = to_host(sampler_output.sampled_token_ids)[0].tolist()  # the step's one host wait

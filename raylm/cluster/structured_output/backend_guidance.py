@@ -91,6 +91,10 @@ class GuidanceGrammar(StructuredOutputGrammar):
                 return False
         return True
 
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        # Not by consuming them: a token llguidance refuses puts its matcher in an error state for good.
+        return tokens[: self.matcher.validate_tokens(tokens)]
+
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 

@@ -17,6 +17,10 @@ class StructuredOutputGrammar(ABC):
         """Advance by tokens; False (and no advance past the first bad one) when the grammar forbids one."""
 
     @abstractmethod
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of tokens the grammar allows from here; the matcher does not move."""
+
+    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens."""
 

@@ -132,6 +132,16 @@ class XgrammarGrammar(StructuredOutputGrammar):
                 return False
         return True
 
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        # A token xgrammar refuses leaves the matcher where it was.
+        num_valid = 0
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                break
+            num_valid += 1
+        self.matcher.rollback(num_valid)
+        return tokens[:num_valid]
+
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 

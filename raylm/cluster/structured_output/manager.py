@@ -3,7 +3,9 @@
 bitmask while the forward runs, and advances a matcher by each token its request accepts.
 
 A matcher only ever advances by tokens appended to its request, so it is never ahead of them: tokens of a step
-discarded by preemption were never accepted, and a resumed request keeps its tokens and its matcher alike."""
+discarded by preemption were never accepted, and a resumed request keeps its tokens and its matcher alike. Draft
+tokens (speculative decoding) move it only tentatively, rolled back before the call returns: to cut a proposal at
+the first draft its grammar rejects (validate_tokens), and to fill one bitmask row per position a step verifies."""
 from __future__ import annotations
 
 import logging
@@ -19,7 +21,7 @@ from raylm.cluster.request import Request, RequestStatus
 from raylm.cluster.structured_output.backend_types import CompiledGrammar, StructuredOutputBackend
 from raylm.cluster.structured_output.request import StructuredOutputRequest
 from raylm.cluster.structured_output.validation import validate_structured_outputs
-from raylm.common.outputs import GrammarOutput, SchedulerOutput
+from raylm.common.outputs import DRAFT_PLACEHOLDER, GrammarOutput, SchedulerOutput
 from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs import EngineConfig
 
@@ -35,14 +37,16 @@ class StructuredOutputManager:
         self.model_info = model_info = engine_config.model_info
         self.tokenizer_name = engine_config.model_config.tokenizer
         self.backends = engine_config.resolved.structured_outputs_backends
-        max_num_seqs = engine_config.scheduler_config.max_num_seqs
+        spec = engine_config.speculative_config
+        # A request with k drafts samples k + 1 positions, each with its own row.
+        max_rows = engine_config.scheduler_config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self.executor = ThreadPoolExecutor(num_compile_threads, thread_name_prefix="raylm-grammar")
         self._compiled: OrderedDict[tuple[Any, ...], Future[CompiledGrammar]] = OrderedDict()
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._init_lock = threading.Lock()  # backends and the tokenizer are built by the first compile that needs them
         self._tokenizer: Any = None
         self.reasoner: ReasoningParser | None = None
-        self.bitmask = torch.zeros(max_num_seqs, -(-model_info.vocab_size // _WORD_BITS), dtype=torch.int32)
+        self.bitmask = torch.zeros(max_rows, -(-model_info.vocab_size // _WORD_BITS), dtype=torch.int32)
         self._scratch = torch.zeros(1, self.bitmask.shape[1], dtype=torch.int32)
 
     # ---- requests in ----------------------------------------------------------------------------
@@ -116,24 +120,74 @@ class StructuredOutputManager:
                 ids.append(req_id)
         return ids
 
-    def grammar_bitmask(self, requests: dict[str, Request], req_ids: list[str]) -> GrammarOutput | None:
+    def grammar_bitmask(self, requests: dict[str, Request], req_ids: list[str],
+                        spec_tokens: dict[str, list[int]]) -> GrammarOutput | None:
         """The bitmask of the requests (from sampling_requests) whose grammar applies now: their matchers must have
-        accepted every token before this step's (the engine waits for the step before when it has not)."""
+        accepted every token before this step's (the engine waits for the step before when it has not). A request
+        with drafts (`spec_tokens`, the step's scheduled_spec_decode_tokens) gets 1 + len(drafts) consecutive rows,
+        one per position it samples, in the order of its logits rows."""
         rows: list[str] = []
-        bitmask = self.bitmask
+        num_rows = 0
         for req_id in req_ids:
             request = requests.get(req_id)
             if request is None or request.is_finished:
                 continue  # finished by the step before; its sample is discarded
-            structured = request.structured_output_request
-            assert structured is not None and structured.grammar is not None
-            if not structured.reasoning_ended or structured.grammar.is_terminated():
-                continue
-            structured.grammar.fill_bitmask(bitmask, len(rows))
-            rows.append(req_id)
+            drafts = spec_tokens.get(req_id, [])
+            # Under async scheduling a constrained request gets no drafts (DraftScheduling.draft_tokens): the runner
+            # would fill placeholders with proposals this manager never sees.
+            assert DRAFT_PLACEHOLDER not in drafts, req_id
+            if self._fill_rows(request, drafts, num_rows):
+                rows.append(req_id)
+                num_rows += 1 + len(drafts)
         if not rows:
             return None
-        return GrammarOutput(rows, bitmask[: len(rows)].numpy().copy())
+        return GrammarOutput(rows, self.bitmask[:num_rows].numpy().copy())
+
+    def _fill_rows(self, request: Request, drafts: list[int], start: int) -> bool:
+        """Rows start .. start + len(drafts) of the bitmask (vLLM's shape): each filled at the matcher's state, which
+        then advances by that position's draft; the matcher is rolled back after the last row. False (rows left
+        as they are) where the grammar applies at none of the positions. A row where it does not apply (reasoning
+        still open, or the grammar ended by an earlier draft) allows every token: the request stops before it."""
+        structured = request.structured_output_request
+        assert structured is not None and structured.grammar is not None
+        grammar, bitmask = structured.grammar, self.bitmask
+        ended, applies, advanced = structured.reasoning_ended, False, 0
+        for i in range(len(drafts) + 1):
+            if ended and not grammar.is_terminated():
+                grammar.fill_bitmask(bitmask, start + i)
+                applies = True
+            else:
+                bitmask[start + i] = -1  # every bit set
+            if i == len(drafts):
+                break
+            if not ended:
+                ended = self._reasoning_ends(request, drafts[: i + 1])
+            elif not grammar.is_terminated():
+                # The scheduler verifies only drafts validate_tokens let through, at this same matcher state.
+                accepted = grammar.accept_tokens(request.request_id, [drafts[i]])
+                assert accepted, (request.request_id, drafts)
+                advanced += 1
+        grammar.rollback(advanced)
+        return applies
+
+    def validate_tokens(self, request: Request, tokens: list[int]) -> list[int]:
+        """The longest prefix of a proposal (draft tokens after the request's tokens) that its grammar allows (vLLM's
+        name): a draft it rejects would only be rejected by the bitmask, and the drafts after it with it, so the
+        engine does not verify them. Drafts before the reasoning ends are not the grammar's."""
+        structured = request.structured_output_request
+        if structured is None or structured.grammar is None or not tokens:
+            return tokens
+        start = 0  # the first draft that is the grammar's
+        if not structured.reasoning_ended:
+            start = next((i + 1 for i in range(len(tokens)) if self._reasoning_ends(request, tokens[: i + 1])),
+                         len(tokens))
+        return tokens[:start] + structured.grammar.validate_tokens(tokens[start:])
+
+    def _reasoning_ends(self, request: Request, drafts: list[int]) -> bool:
+        """Whether the request's reasoning is closed once these drafts follow its tokens (as advance() decides it
+        for accepted tokens: the closing token itself is not the grammar's)."""
+        assert self.reasoner is not None
+        return self.reasoner.is_reasoning_end([*request.output_token_ids, *drafts])
 
     def advance(self, request: Request, token_id: int) -> bool:
         """Feed a token the request accepted to its matcher; True when the grammar ends the request (finish reason

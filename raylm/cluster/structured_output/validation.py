@@ -16,8 +16,8 @@ def validate_structured_outputs(params: StructuredOutputsParams, backends: tuple
     if params._backend is not None:
         return params._backend
     if not backends:
-        raise ValueError(f"{params.kind}: this engine enforces no output constraints (an engine with "
-                         f"speculative_config does not: its drafts are not checked against grammars)")
+        raise ValueError(f"{params.kind}: this engine enforces no output constraints (its config was resolved "
+                         f"without grammar backends)")
     errors = []
     for name in backends:
         try:
