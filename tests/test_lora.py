@@ -17,7 +17,7 @@ import torch
 from raylm.cluster import LLM, SamplingParams
 from raylm.common.lora_request import LoRARequest
 from raylm.runner.input_batch import CachedRequestState, InputBatch
-from raylm.runner.lora.punica import PunicaWrapper
+from raylm.runner.lora.punica import PunicaWrapper, SlotWeights
 from raylm.runner.lora.worker_manager import LoRAManager
 from scripts.gguf_to_safetensors import write_float32_checkpoint
 from tests.gguf_files import write_gguf
@@ -206,47 +206,55 @@ def test_tensor_parallel_matches_peft(ray_cluster: Any, llama_path: Path, lora_r
     layouts = llm.collective_rpc(lambda worker: (
         tuple(worker.model_runner.model.model.layers[0].self_attn.qkv_proj.lora.lora_b.shape[:2]),
         worker.model_runner.model.model.layers[0].self_attn.qkv_proj.lora.output_slices[1][1]))
-    # 3 slots of q/k/v x rank 8 rows; k's columns: one of the two KV heads (head_dim 32) per rank
-    assert layouts[0] == layouts[1] == ((3, 3 * 8), 32)
+    # 3 slots of rank 8; k's lora_b columns: one of the two KV heads (head_dim 32) per rank
+    assert layouts[0] == layouts[1] == ((3, 8), 32)
     llm.shutdown()
 
 
-# (token slots, the grouped layout update() should pick): decode spread over the slots with base-model tokens
-# between them; two slots that are not the first; a long prefill beside decodes (padding would waste too much); one
-# adapter's tokens first and base-model tokens after (no gather, no scatter); a single-token step.
+# (token slots, (runs computed in place?, layout of the other LoRA tokens)): decodes spread over the slots with
+# base-model tokens between them; two slots that are not the first; a long prefill beside decodes; many tokens of one
+# adapter beside one of each other (padding would waste too much); prefills only (in place); one adapter's short
+# prompt first and base-model tokens after (no gather, no index_add); a single-token step.
 PRODUCT_CASES = {
-    "decode-mixed": ([0, 2, -1, 1, 1, -1, 0, 3, 2], "padded"),
-    "later-slots": ([2, 1, 2, 1, 2], "padded"),
-    "prefill-beside-decodes": ([3] * 40 + [-1, 0, 2, -1, 1], "segments"),
-    "one-adapter-first": ([1] * 12 + [-1] * 5, "in-order"),
-    "one-token": ([2], "in-order"),
+    "decode-mixed": ([0, 2, -1, 1, 1, -1, 0, 3, 2], (False, "padded")),
+    "later-slots": ([2, 1, 2, 1, 2], (False, "padded")),
+    "prefill-beside-decodes": ([3] * 40 + [-1, 0, 2, -1, 1], (True, "padded")),
+    "uneven-slots": ([0] * 20 + [1, 2, -1, 3, 0], (False, "segments")),
+    "prefills-only": ([-1] * 3 + [2] * 40 + [1] * 33, (True, "none")),
+    "one-adapter-first": ([1] * 12 + [-1] * 5, (False, "in-order")),
+    "one-token": ([2], (False, "in-order")),
 }
 
 
+def plan(punica: PunicaWrapper) -> tuple[bool, str]:
+    grouped = "in-order" if punica.in_order else "segments" if punica.segments else "padded"
+    return bool(punica.runs), grouped if punica.num_grouped else "none"
+
+
 @pytest.mark.parametrize("slots,layout", PRODUCT_CASES.values(), ids=PRODUCT_CASES.keys())
-def test_lora_product_matches_the_loop_over_tokens(slots: list[int], layout: str) -> None:
-    """The grouped shrink/expand equals x @ A[slot].T @ B[slot].T token by token, per output slice, whichever layout
-    the step takes; base-model tokens and the forward's padding rows are left exactly as they were."""
+def test_lora_product_matches_the_loop_over_tokens(slots: list[int], layout: tuple[bool, str]) -> None:
+    """The product equals x @ A[slot].T @ B[slot].T token by token, per output slice, whichever plan the step takes;
+    base-model tokens and the forward's padding rows are left exactly as they were."""
     torch.manual_seed(0)
     max_loras, rank, in_features, sizes = 4, 4, 5, (3, 6)  # two output slices (q and kv, say)
     punica = PunicaWrapper(64, max_loras, torch.device("cpu"))
     punica.update(np.array(slots))
-    assert {"padded": not punica.segments and not punica.in_order, "segments": bool(punica.segments),
-            "in-order": punica.in_order}[layout]
+    assert plan(punica) == layout
     # Per slot and slice, ranks 4 and 3 (a rank below max_lora_rank leaves zero rows), laid out as LoRASlots does.
     a = [[torch.randn(rank - i, in_features) for i in range(len(sizes))] for _ in range(max_loras)]
     b = [[torch.randn(size, rank - i) for i, size in enumerate(sizes)] for _ in range(max_loras)]
-    lora_a = torch.zeros(max_loras, len(sizes) * rank, in_features)
-    lora_b = torch.zeros(max_loras, len(sizes) * rank, sum(sizes))
+    output_slices = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+    lora_a_t = torch.zeros(max_loras, in_features, len(sizes) * rank)
+    lora_b = torch.zeros(max_loras, rank, sum(sizes))
     for slot in range(max_loras):
-        for i, size in enumerate(sizes):
-            r, offset = rank - i, sum(sizes[:i])
-            lora_a[slot, i * rank:i * rank + r] = a[slot][i]
-            lora_b[slot, i * rank:i * rank + r, offset:offset + size] = b[slot][i].T
+        for i, (offset, size) in enumerate(output_slices):
+            r = rank - i
+            lora_a_t[slot, :, i * rank:i * rank + r] = a[slot][i].T
+            lora_b[slot, :r, offset:offset + size] = b[slot][i].T
     padding = 3  # rows of the forward after the step's tokens
     x, y = torch.randn(len(slots) + padding, in_features), torch.randn(len(slots) + padding, sum(sizes))
     expected, out = y.clone(), y.clone()
-    punica.add_lora_linear(out, x, lora_a, lora_b)
+    punica.add_lora_linear(out, x, SlotWeights(lora_a_t, lora_b, output_slices))
     for t, slot in enumerate(slots):
         if slot >= 0:
             expected[t] += torch.cat([x[t] @ a[slot][i].T @ b[slot][i].T for i in range(len(sizes))])

@@ -17,7 +17,7 @@ from raylm.runner.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from raylm.runner.lora.punica import PunicaWrapper
+from raylm.runner.lora.punica import PunicaWrapper, SlotWeights
 
 
 class LoRASlots(nn.Module):
@@ -35,19 +35,20 @@ class LoRASlots(nn.Module):
         # Where each slice's full lora_b rows start and how they shard: (full offset of this rank's rows, local size).
         self._shards = _lora_b_shards(layer)
         num_slices, out_local = len(self.output_slices), layer.output_size_per_partition
-        # Slot-major, so that a slot's rows are one block for the shrink and the expand (punica.py). lora_b is block
-        # diagonal over the output slices: slice i's rank rows write only slice i's columns, and one product covers
-        # q/k/v (gate/up) at the price of n_slices x the expand's FLOPs and memory, small beside the base weight's.
-        self.register_buffer("lora_a", torch.zeros(max_loras, num_slices * max_rank, in_local, dtype=dtype,
-                                                   device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, num_slices * max_rank, out_local, dtype=dtype,
-                                                   device=device), persistent=False)
+        # Slot-major, as punica.py's products read them: each slot's lora_a transposed, the slices side by side; each
+        # slot's lora_b transposed, slice i's rows in its own output columns (nothing stored twice, no zero blocks).
+        self.register_buffer("lora_a_t", torch.zeros(max_loras, in_local, num_slices * max_rank, dtype=dtype,
+                                                     device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, max_rank, out_local, dtype=dtype, device=device),
+                             persistent=False)
+        # Views of the buffers: sleep mode resizes their storage in place, so these stay valid.
+        self.weights = SlotWeights(self.lora_a_t, self.lora_b, self.output_slices)
         assert sum(size for _, size in self.output_slices) == layer.output_size_per_partition
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y (the layer's output on this rank, before any all-reduce) += the LoRA product of x, per token's slot."""
         if self.punica.has_lora:
-            self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b)
+            self.punica.add_lora_linear(y, x, self.weights)
 
     def set_lora(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Fill `slot` with one (lora_a [r, in], lora_b [out, r]) per output slice, full (unsharded) tensors, or None
@@ -60,18 +61,17 @@ class LoRASlots(nn.Module):
             lora_a, lora_b = pair
             r = lora_a.shape[0]
             if self.row_parallel:
-                size = self.lora_a.shape[-1]
+                size = self.lora_a_t.shape[1]
                 lora_a = lora_a.narrow(1, self.tp_rank * size, size)
             else:
                 start, size = self._shards[i]
                 lora_b = lora_b.narrow(0, start, size)
-            rows = slice(i * rank, i * rank + r)  # slice i's rank rows in the slot
             offset, width = self.output_slices[i]
-            self.lora_a[slot, rows].copy_(lora_a)
-            self.lora_b[slot, rows, offset:offset + width].copy_(lora_b.t())
+            self.lora_a_t[slot, :, i * rank:i * rank + r].copy_(lora_a.t())
+            self.lora_b[slot, :r, offset:offset + width].copy_(lora_b.t())
 
     def reset_lora(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
+        self.lora_a_t[slot].zero_()
         self.lora_b[slot].zero_()
 
 

@@ -1,118 +1,171 @@
 """The LoRA product of a whole batch, each token against its own adapter's rows only (vLLM's punica SGMV), in torch.
 
-Every token carries the device slot of its adapter (or none). Once per step, on the host, the tokens are grouped by
-slot (PunicaWrapper.update); then every LoRA layer of the model
-  gathers the batch's LoRA tokens into slot order (one index_select),
-  shrinks each slot's tokens by that slot's lora_a and expands them by that slot's lora_b (block diagonal over the
-    layer's output slices, so that one product covers q/k/v or gate/up),
-  scatters back: y += the expanded rows in token order (one index_select and one add; a base-model token reads a row
-    of exact zeros, so its output is the one an engine without LoRA gives).
-A token costs its adapter's rows, not max_loras x max_lora_rank: an earlier version shrank every token by every slot
-and masked, which cost about as much as the base linears with 8 adapters of rank 16 on the 5m model (docs/lora.md).
+Every token carries the device slot of its adapter (or none). Once per step, on the host, PunicaWrapper.update plans
+how the tokens meet their slots' weights; every LoRA layer of the model then follows that plan. A token costs its own
+adapter's rank, not max_loras x max_lora_rank: an earlier version shrank every token by every slot and masked, which
+on the 5m model with 8 adapters of rank 16 cost about as much as the base linears (docs/lora.md).
 
-The grouped tokens take one of two layouts, chosen per step:
-- padded: each slot of the active range gets `cap` rows (the most tokens a slot has), so that the shrink and the
-  expand are one bmm each over [slots, cap, ...]. A fixed handful of ops per layer: what decode needs, where the
-  tokens are many 1-token requests spread over the slots and per-op overhead, not FLOPs, is the cost on a CPU.
-- segments: the slots' tokens back to back, one mm pair per active slot. For a step whose slots are uneven (a long
-  prefill beside a few decodes), where padding every slot to the longest would waste more than the extra ops cost.
-When the LoRA tokens come first and are already in slot order without padding (one adapter for the whole step, say),
-the gather and the scatter are skipped.
+- Runs: a request's tokens are contiguous and share a slot, so a prefill is a run of tokens of one slot. A run of at
+  least RUN_MIN_TOKENS is computed in place: one shrink of x's rows by the slot's lora_a, then per output slice one
+  addmm straight into y's rows and columns. No copy of x or y.
+- Grouped: the other LoRA tokens (decodes, short prompts: often 1-token requests spread over the slots) are gathered
+  into slot order (one index_select), shrunk and expanded slot by slot in batched products, then added to their rows
+  of y (one index_add). Two layouts of the grouped rows:
+  - padded: each slot of the active range gets `cap` rows (the most tokens a slot has), so that the shrink and each
+    slice's expand are one bmm over [slots, cap, ...]; the padding rows compute values nobody reads. A fixed handful
+    of ops per layer: at decode sizes on a CPU, per-op overhead (a few µs, a view included) costs more than FLOPs.
+  - segments: the slots' tokens back to back, one mm per slot and product. For uneven slots (many decodes of a popular
+    adapter beside a few of others), where padding every slot to the longest would cost more than the extra ops.
+  When the grouped tokens are the step's first tokens and already in slot order, the gather and index_add are skipped.
 
-Nothing here is sized by an adapter: the index buffers are preallocated for max_num_tokens and the slots are fixed.
-The products' temporaries follow the step's token counts, as any layer's activations do.
+Base-model tokens are in neither, so their rows of y are left exactly as the base layer wrote them. Nothing here is
+sized by an adapter: the index buffers are preallocated for max_num_tokens and the slots are fixed; the products'
+temporaries follow the step's token counts, as any layer's activations do.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-# Padding rows allowed per active slot before the segments layout is used instead. A padding row costs one token's
-# LoRA product (a few µs for the four linears of a 5m-model layer); the segments layout costs two more ops per slot
-# per linear (~10 µs each on a CPU). Eight rows per slot is about where they cross on the 5m model; a decode batch
-# spread round robin pads by less than one row per slot, a long prefill beside decodes by far more.
+# A run this long is computed in place: 1 + n_slices products of its own (a few µs of overhead each on a CPU) against
+# copying its rows of x in and of the expand out (the grouped path), which costs more once a run is this long.
+RUN_MIN_TOKENS = 32
+# Padding rows allowed per active slot before the grouped tokens take the segments layout instead. A padding row costs
+# one token's LoRA product (a few µs for a 5m-model layer's four linears); segments cost a few more ops per slot per
+# linear. Eight rows per slot is about where they cross on the 5m model; decodes spread round robin pad by less than
+# one row per slot.
 PAD_ROWS_PER_SLOT = 8
 
 
+class SlotWeights:
+    """One layer's slots as the product reads them, with the views it needs made once (on a CPU a view costs about
+    what a small product does).
+
+    lora_a_t: [max_loras, in, n_slices * rank], each slot's lora_a transposed, slices side by side (one shrink covers
+    q/k/v or gate/up). lora_b: [max_loras, rank, out]: slice i's lora_b transposed in output_slices[i]'s columns."""
+
+    def __init__(self, lora_a_t: torch.Tensor, lora_b: torch.Tensor, output_slices: list[tuple[int, int]]) -> None:
+        self.lora_a_t, self.lora_b, self.max_loras = lora_a_t, lora_b, lora_a_t.shape[0]
+        rank = lora_b.shape[1]
+        # Per output slice: its shrunk columns and its lora_b columns (all slots, then per slot).
+        self.shrunk_cols = [slice(i * rank, (i + 1) * rank) for i in range(len(output_slices))]
+        self.out_cols = [slice(offset, offset + size) for offset, size in output_slices]
+        self.b_slices = [lora_b[:, :, cols] for cols in self.out_cols]
+        self.a_t_of = list(lora_a_t)
+        self.b_slices_of = [[b[slot] for b in self.b_slices] for slot in range(self.max_loras)]
+
+    def slot_range(self, first: int, num: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """lora_a_t and lora_b's slices for slots [first, first + num)."""
+        if num == self.max_loras:
+            return self.lora_a_t, self.b_slices
+        return self.lora_a_t[first:first + num], [b[first:first + num] for b in self.b_slices]
+
+
 class PunicaWrapper:
-    """The step's tokens grouped by adapter slot, as every LoRA layer of the model reads them (vLLM's
-    PunicaWrapper)."""
+    """The step's plan: which tokens use which adapter slot, as every LoRA layer reads it (vLLM's PunicaWrapper)."""
 
     def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device) -> None:
         self.max_loras = max_loras
         pin = device.type == "cuda"
-        # gather[position] = the token whose x fills that row of the grouped layout (padding rows: token 0).
-        # scatter[token] = the grouped row its LoRA output is in (base-model tokens: the zero row after them).
-        max_rows = max_num_tokens + PAD_ROWS_PER_SLOT * max_loras
-        self._host = {name: torch.zeros(size, dtype=torch.int64, pin_memory=pin)
-                      for name, size in (("gather", max_rows), ("scatter", max_num_tokens))}
+        # gather[row]: the token whose x fills that row of the grouped layout (padding rows: token 0).
+        # tokens[i], positions[i]: the i-th grouped token and its row in the layout.
+        sizes = {"gather": max_num_tokens + PAD_ROWS_PER_SLOT * max_loras, "tokens": max_num_tokens,
+                 "positions": max_num_tokens}
+        self._host = {name: torch.zeros(size, dtype=torch.int64, pin_memory=pin) for name, size in sizes.items()}
         self._host_np = {name: tensor.numpy() for name, tensor in self._host.items()}
         self._device = self._host if device.type == "cpu" else {
             name: torch.zeros_like(tensor, device=device) for name, tensor in self._host.items()}
+        self._step: dict[str, torch.Tensor] = {}  # this step's part of each index buffer
         self.has_lora = False  # whether any token of the current forward has an adapter
-        self.num_tokens = 0  # tokens of the step (the forward's x may have padding rows after them)
-        self.rows = 0  # rows of the grouped layout: LoRA tokens, plus padding in the padded layout
+        self.runs: list[tuple[int, int, int]] = []  # (slot, first token, end token) of each run computed in place
+        self.num_grouped = 0  # grouped tokens
+        self.rows = 0  # rows of the grouped layout: the grouped tokens, plus padding in the padded layout
         self.first_slot, self.num_groups, self.cap = 0, 0, 0  # padded layout: slots [first, first + groups) x cap
-        self.segments: list[tuple[int, int, int]] = []  # segments layout: (slot, start row, end row)
-        self.in_order = False  # the grouped layout is tokens [0, rows) as they are: no gather, no scatter
+        self.segments: list[tuple[int, int, int]] = []  # segments layout: (slot, first row, end row)
+        self.in_order = False  # grouped row i is token i: no gather, no index_add
 
     def update(self, token_slots: np.ndarray) -> None:
-        """Token i of the forward uses slot token_slots[i] (-1: none): group the tokens by slot for this step."""
-        n = self.num_tokens = len(token_slots)
+        """Token i of the forward uses slot token_slots[i] (-1: none): plan the step's runs and grouped tokens."""
         lora = token_slots >= 0
-        counts = np.bincount(token_slots[lora], minlength=self.max_loras)
-        num_lora = int(counts.sum())
-        self.has_lora = num_lora > 0
+        self.has_lora = bool(lora.any())
         if not self.has_lora:
             return
-        # Tokens in slot order, each slot's in batch order; base-model tokens last (not grouped).
-        by_slot = np.argsort(np.where(lora, token_slots, self.max_loras), kind="stable")[:num_lora]
-        slot_of = token_slots[by_slot]
-        starts = np.cumsum(counts) - counts  # each slot's first row when the slots are back to back
+        # Maximal runs of one slot; the long ones with an adapter are computed in place.
+        starts = np.flatnonzero(np.diff(token_slots, prepend=-2))
+        ends = np.append(starts[1:], len(token_slots))
+        in_place = (token_slots[starts] >= 0) & (ends - starts >= RUN_MIN_TOKENS)
+        self.runs = [(int(token_slots[s]), int(s), int(e)) for s, e in zip(starts[in_place], ends[in_place])]
+        grouped = lora & ~np.repeat(in_place, ends - starts)
+        self.num_grouped = int(grouped.sum())
+        if self.num_grouped:
+            self._group(np.where(grouped, token_slots, -1))
+
+    def _group(self, token_slots: np.ndarray) -> None:
+        """Lay out the tokens with a slot (token_slots >= 0) by slot: padded or segments (module docstring)."""
+        num = self.num_grouped
+        counts = np.bincount(token_slots[token_slots >= 0], minlength=self.max_loras)
+        # The grouped tokens in slot order, each slot's in batch order (a stable sort; tokens without a slot last).
+        tokens = np.argsort(np.where(token_slots >= 0, token_slots, self.max_loras), kind="stable")[:num]
+        slot_of = token_slots[tokens]
+        firsts = np.cumsum(counts) - counts  # each slot's first row when the slots are back to back
         active = np.flatnonzero(counts)
         first, end, cap = int(active[0]), int(active[-1]) + 1, int(counts.max())
-        if (end - first) * cap - num_lora <= PAD_ROWS_PER_SLOT * len(active):
+        if (end - first) * cap - num <= PAD_ROWS_PER_SLOT * len(active):
             self.first_slot, self.num_groups, self.cap, self.segments = first, end - first, cap, []
             self.rows = self.num_groups * cap
-            positions = (slot_of - first) * cap + (np.arange(num_lora) - starts[slot_of])
+            positions = (slot_of - first) * cap + (np.arange(num) - firsts[slot_of])
         else:
-            self.segments = [(int(k), int(starts[k]), int(starts[k] + counts[k])) for k in active]
-            self.rows = num_lora
-            positions = np.arange(num_lora)
-        self.in_order = self.rows == num_lora and bool((by_slot == positions).all())
+            self.segments = [(int(k), int(firsts[k]), int(firsts[k] + counts[k])) for k in active]
+            self.rows = num
+            positions = np.arange(num)
+        self.in_order = self.rows == num and bool((tokens == positions).all())
         if self.in_order:
             return
-        gather, scatter = self._host_np["gather"], self._host_np["scatter"]
-        gather[:self.rows] = 0
-        gather[positions] = by_slot
-        scatter[:n] = self.rows
-        scatter[by_slot] = positions
+        host = self._host_np
+        host["gather"][:self.rows] = 0
+        host["gather"][positions] = tokens
+        host["tokens"][:num], host["positions"][:num] = tokens, positions
+        self._step = {"gather": self._device["gather"][:self.rows], "tokens": self._device["tokens"][:num],
+                      "positions": self._device["positions"][:num]}
         if self._device is not self._host:
-            for name, size in (("gather", self.rows), ("scatter", n)):
-                self._device[name][:size].copy_(self._host[name][:size], non_blocking=True)
+            for name, tensor in self._step.items():
+                tensor.copy_(self._host[name][:len(tensor)], non_blocking=True)
 
     def clear(self) -> None:
         self.has_lora = False
 
-    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
-        """y[t] += x[t] @ lora_a[slot].T @ lora_b[slot] for each token t of the step with an adapter slot.
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, weights: SlotWeights) -> None:
+        """y[t] += x[t] @ lora_a[slot].T @ lora_b[slot].T, per output slice, for each token t with an adapter slot."""
+        for slot, start, end in self.runs:
+            shrunk = torch.mm(x[start:end], weights.a_t_of[slot])
+            y_run = y[start:end]
+            for shrunk_cols, out_cols, b in zip(weights.shrunk_cols, weights.out_cols, weights.b_slices_of[slot]):
+                y_run[:, out_cols].addmm_(shrunk[:, shrunk_cols], b)
+        if self.num_grouped:
+            self._add_grouped(y, x, weights)
 
-        lora_a: [max_loras, n_slices * rank, in]; lora_b: [max_loras, n_slices * rank, out], block diagonal (slice
-        i's rank rows feed only slice i's output columns)."""
-        rows, n, out = self.rows, self.num_tokens, y.shape[1]
-        grouped = x[:rows] if self.in_order else x.index_select(0, self._device["gather"][:rows])
-        expanded = x.new_empty(rows + 1, out)  # the extra row: zeros for base-model tokens to read
+    def _add_grouped(self, y: torch.Tensor, x: torch.Tensor, weights: SlotWeights) -> None:
+        rows = self.rows
+        grouped = x[:rows] if self.in_order else x.index_select(0, self._step["gather"])
         if self.segments:
-            shrunk = x.new_empty(rows, lora_a.shape[1])
+            shrunk = x.new_empty(rows, weights.lora_a_t.shape[2])
+            expanded = x.new_empty(rows, y.shape[1])
             for slot, start, end in self.segments:
-                torch.mm(grouped[start:end], lora_a[slot].t(), out=shrunk[start:end])
-                torch.mm(shrunk[start:end], lora_b[slot], out=expanded[start:end])
+                torch.mm(grouped[start:end], weights.a_t_of[slot], out=shrunk[start:end])
+                for shrunk_cols, out_cols, b in zip(weights.shrunk_cols, weights.out_cols, weights.b_slices_of[slot]):
+                    torch.mm(shrunk[start:end, shrunk_cols], b, out=expanded[start:end, out_cols])
         else:
-            slots = slice(self.first_slot, self.first_slot + self.num_groups)
-            shrunk = torch.bmm(grouped.reshape(self.num_groups, self.cap, -1), lora_a[slots].transpose(1, 2))
-            torch.bmm(shrunk, lora_b[slots], out=expanded[:rows].view(self.num_groups, self.cap, out))
+            a_t, b_slices = weights.slot_range(self.first_slot, self.num_groups)
+            shrunk = torch.bmm(grouped.view(self.num_groups, self.cap, -1), a_t)
+            if len(b_slices) == 1:
+                expanded = torch.bmm(shrunk, b_slices[0])
+            else:  # one bmm per slice, side by side: a block-diagonal lora_b would cost n_slices x the FLOPs
+                expanded = torch.cat([torch.bmm(shrunk[:, :, cols], b)
+                                      for cols, b in zip(weights.shrunk_cols, b_slices)], dim=2)
+            expanded = expanded.view(rows, -1)
         if self.in_order:
-            y[:rows].add_(expanded[:rows])
+            y[:rows].add_(expanded)
             return
-        expanded[rows].zero_()
-        y[:n].add_(expanded.index_select(0, self._device["scatter"][:n]))
+        if rows > self.num_grouped:  # the padded layout's padding rows stay behind
+            expanded = expanded.index_select(0, self._step["positions"])
+        y.index_add_(0, self._step["tokens"], expanded)
