@@ -17,7 +17,7 @@ import torch
 from raylm.cluster import LLM, SamplingParams
 from raylm.common.lora_request import LoRARequest
 from raylm.runner.input_batch import CachedRequestState, InputBatch
-from raylm.runner.lora.punica import PunicaWrapper
+from raylm.runner.lora.punica import PunicaWrapper, SlotWeights
 from raylm.runner.lora.worker_manager import LoRAManager
 from scripts.gguf_to_safetensors import write_float32_checkpoint
 from tests.gguf_files import write_gguf
@@ -203,34 +203,72 @@ def test_tensor_parallel_matches_peft(ray_cluster: Any, llama_path: Path, lora_r
               num_gpu_blocks_override=14, **ENGINE)
     ours = generate(llm, lora_requests)
     assert check_logprobs_close(reference, ours, "lora tp2") <= 1
-    shapes = llm.collective_rpc(lambda worker: tuple(
-        worker.model_runner.model.model.layers[0].self_attn.qkv_proj.lora.lora_b_1.shape))
-    assert shapes[0] == shapes[1] == (3 * 8, 32)  # k: one of the two KV heads (head_dim 32) per rank
+    layouts = llm.collective_rpc(lambda worker: (
+        tuple(worker.model_runner.model.model.layers[0].self_attn.qkv_proj.lora.lora_b.shape[:2]),
+        worker.model_runner.model.model.layers[0].self_attn.qkv_proj.lora.output_slices[1][1]))
+    # 3 slots of rank 8; k's lora_b columns: one of the two KV heads (head_dim 32) per rank
+    assert layouts[0] == layouts[1] == ((3, 8), 32)
     llm.shutdown()
 
 
-def test_lora_product_matches_the_loop_over_tokens() -> None:
-    """The batched shrink/expand equals x @ A[slot].T @ B[slot].T token by token, and adds exact zeros for base."""
+# (token slots, (runs computed in place?, layout of the other LoRA tokens)): decodes spread over the slots with
+# base-model tokens between them; two slots that are not the first; a long prefill beside decodes; many tokens of one
+# adapter beside one of each other (padding would waste too much); prefills only (in place); one adapter's short
+# prompt first and base-model tokens after (no gather, no index_add); a single-token step.
+PRODUCT_CASES = {
+    "decode-mixed": ([0, 2, -1, 1, 1, -1, 0, 3, 2], (False, "padded")),
+    "later-slots": ([2, 1, 2, 1, 2], (False, "padded")),
+    "prefill-beside-decodes": ([3] * 40 + [-1, 0, 2, -1, 1], (True, "padded")),
+    "uneven-slots": ([0] * 20 + [1, 2, -1, 3, 0], (False, "segments")),
+    "prefills-only": ([-1] * 3 + [2] * 40 + [1] * 33, (True, "none")),
+    "one-adapter-first": ([1] * 12 + [-1] * 5, (False, "in-order")),
+    "one-token": ([2], (False, "in-order")),
+}
+
+
+def plan(punica: PunicaWrapper) -> tuple[bool, str]:
+    grouped = "in-order" if punica.in_order else "segments" if punica.segments else "padded"
+    return bool(punica.runs), grouped if punica.num_grouped else "none"
+
+
+@pytest.mark.parametrize("slots,layout", PRODUCT_CASES.values(), ids=PRODUCT_CASES.keys())
+def test_lora_product_matches_the_loop_over_tokens(slots: list[int], layout: tuple[bool, str]) -> None:
+    """The product equals x @ A[slot].T @ B[slot].T token by token, per output slice, whichever plan the step takes;
+    base-model tokens and the forward's padding rows are left exactly as they were."""
     torch.manual_seed(0)
-    max_loras, rank, tokens = 3, 4, 7
-    punica = PunicaWrapper(16, max_loras, torch.float32, torch.device("cpu"))
-    slots = [0, 2, -1, 1, 1, -1, 0]
+    max_loras, rank, in_features, sizes = 4, 4, 5, (3, 6)  # two output slices (q and kv, say)
+    punica = PunicaWrapper(64, max_loras, torch.device("cpu"))
     punica.update(np.array(slots))
-    a = torch.randn(2 * max_loras * rank, 5)  # two output slices of 3 and 6
-    b = [torch.randn(max_loras * rank, 3), torch.randn(max_loras * rank, 6)]
-    x, y = torch.randn(tokens, 5), torch.randn(tokens, 9)
-    expected = y.clone()
-    out = y.clone()
-    punica.add_lora_linear(out, x, a, b, [(0, 3), (3, 6)], rank)
+    assert plan(punica) == layout
+    # Per slot and slice, ranks 4 and 3 (a rank below max_lora_rank leaves zero rows), laid out as LoRASlots does.
+    a = [[torch.randn(rank - i, in_features) for i in range(len(sizes))] for _ in range(max_loras)]
+    b = [[torch.randn(size, rank - i) for i, size in enumerate(sizes)] for _ in range(max_loras)]
+    output_slices = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+    lora_a_t = torch.zeros(max_loras, in_features, len(sizes) * rank)
+    lora_b = torch.zeros(max_loras, rank, sum(sizes))
+    for slot in range(max_loras):
+        for i, (offset, size) in enumerate(output_slices):
+            r = rank - i
+            lora_a_t[slot, :, i * rank:i * rank + r] = a[slot][i].T
+            lora_b[slot, :r, offset:offset + size] = b[slot][i].T
+    padding = 3  # rows of the forward after the step's tokens
+    x, y = torch.randn(len(slots) + padding, in_features), torch.randn(len(slots) + padding, sum(sizes))
+    expected, out = y.clone(), y.clone()
+    punica.add_lora_linear(out, x, SlotWeights(lora_a_t, lora_b, output_slices))
     for t, slot in enumerate(slots):
-        if slot < 0:
-            continue
-        for i, (offset, size) in enumerate([(0, 3), (3, 6)]):
-            a_slot = a.view(2, max_loras, rank, 5)[i, slot]
-            b_slot = b[i].view(max_loras, rank, size)[slot]
-            expected[t, offset:offset + size] += x[t] @ a_slot.T @ b_slot
+        if slot >= 0:
+            expected[t] += torch.cat([x[t] @ a[slot][i].T @ b[slot][i].T for i in range(len(sizes))])
     torch.testing.assert_close(out, expected)
-    assert torch.equal(out[2], y[2]) and torch.equal(out[5], y[5])
+    untouched = [t for t, slot in enumerate(slots) if slot < 0] + list(range(len(slots), len(slots) + padding))
+    assert torch.equal(out[untouched], y[untouched])
+
+
+def test_a_step_without_adapters_skips_the_product() -> None:
+    punica = PunicaWrapper(16, 2, torch.device("cpu"))
+    punica.update(np.array([0, -1]))
+    assert punica.has_lora
+    punica.update(np.array([-1, -1, -1]))
+    assert not punica.has_lora
 
 
 def test_input_batch_rows_carry_their_adapter() -> None:

@@ -17,7 +17,7 @@ from raylm.runner.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from raylm.runner.lora.punica import PunicaWrapper
+from raylm.runner.lora.punica import PunicaWrapper, SlotWeights
 
 
 class LoRASlots(nn.Module):
@@ -34,45 +34,45 @@ class LoRASlots(nn.Module):
         self.output_slices = _output_slices(layer)
         # Where each slice's full lora_b rows start and how they shard: (full offset of this rank's rows, local size).
         self._shards = _lora_b_shards(layer)
-        num_slices = len(self.output_slices)
-        self.register_buffer("lora_a", torch.zeros(num_slices * max_loras * max_rank, in_local, dtype=dtype,
-                                                   device=device), persistent=False)
-        self.lora_b = [torch.zeros(max_loras * max_rank, size, dtype=dtype, device=device)
-                       for _, size in self.output_slices]
-        for i, tensor in enumerate(self.lora_b):
-            self.register_buffer(f"lora_b_{i}", tensor, persistent=False)
+        num_slices, out_local = len(self.output_slices), layer.output_size_per_partition
+        # Slot-major, as punica.py's products read them: each slot's lora_a transposed, the slices side by side; each
+        # slot's lora_b transposed, slice i's rows in its own output columns (nothing stored twice, no zero blocks).
+        self.register_buffer("lora_a_t", torch.zeros(max_loras, in_local, num_slices * max_rank, dtype=dtype,
+                                                     device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, max_rank, out_local, dtype=dtype, device=device),
+                             persistent=False)
+        # Views of the buffers: sleep mode resizes their storage in place, so these stay valid.
+        self.weights = SlotWeights(self.lora_a_t, self.lora_b, self.output_slices)
         assert sum(size for _, size in self.output_slices) == layer.output_size_per_partition
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y (the layer's output on this rank, before any all-reduce) += the LoRA product of x, per token's slot."""
         if self.punica.has_lora:
-            self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b, self.output_slices, self.max_rank)
+            self.punica.add_lora_linear(y, x, self.weights)
 
     def set_lora(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Fill `slot` with one (lora_a [r, in], lora_b [out, r]) per output slice, full (unsharded) tensors, or None
         for a slice the adapter does not target; a rank below max_rank leaves the rest zero."""
         self.reset_lora(slot)
-        num_slices, max_loras, rank = len(self.output_slices), self.max_loras, self.max_rank
-        a_view = self.lora_a.view(num_slices, max_loras, rank, -1)
+        rank = self.max_rank
         for i, pair in enumerate(weights):
             if pair is None:
                 continue
             lora_a, lora_b = pair
             r = lora_a.shape[0]
             if self.row_parallel:
-                size = a_view.shape[-1]
+                size = self.lora_a_t.shape[1]
                 lora_a = lora_a.narrow(1, self.tp_rank * size, size)
             else:
                 start, size = self._shards[i]
                 lora_b = lora_b.narrow(0, start, size)
-            a_view[i, slot, :r].copy_(lora_a)
-            self.lora_b[i].view(max_loras, rank, -1)[slot, :r].copy_(lora_b.t())
+            offset, width = self.output_slices[i]
+            self.lora_a_t[slot, :, i * rank:i * rank + r].copy_(lora_a.t())
+            self.lora_b[slot, :r, offset:offset + width].copy_(lora_b.t())
 
     def reset_lora(self, slot: int) -> None:
-        num_slices = len(self.output_slices)
-        self.lora_a.view(num_slices, self.max_loras, self.max_rank, -1)[:, slot].zero_()
-        for tensor in self.lora_b:
-            tensor.view(self.max_loras, self.max_rank, -1)[slot].zero_()
+        self.lora_a_t[slot].zero_()
+        self.lora_b[slot].zero_()
 
 
 def _output_slices(layer: LinearBase) -> list[tuple[int, int]]:
