@@ -6,13 +6,16 @@ Serve asks `choose_replicas` for ranks of replicas and sends the request to the 
 first rank it can. Here the first rank is PrefixRouter's choice: the replica whose recent prompts share the longest
 prefix with this one while the replicas' ongoing requests are within routing_imbalanced_threshold of each other, else
 the least loaded; the rest follow. Prompts are matched by 64-byte chunks of their text (about one 16-token block),
-since the router runs before any tokenizer; each router (one per ingress replica) keeps its own index.
+since the router runs before any tokenizer. The index lives in one PrefixIndex actor per deployment, shared by every
+router (one per ingress replica), so a conversation keeps its replica whichever ingress replica the proxy picks
+(as Ray Serve LLM shares its prefix tree); Serve kills the actor on `serve.shutdown()`.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+import ray
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from raylm.cluster.prefix_router import PrefixRouter, text_block_hashes
 from raylm.configs.kv_transfer import RoutingConfig
@@ -36,10 +39,36 @@ def prompt_text(request: Any) -> str:
     return ",".join(str(token) for token in prompt or [])
 
 
+@ray.remote(num_cpus=0)
+class PrefixIndex:
+    """One deployment's PrefixRouter, shared by the routers of all its callers; targets are replica id strings."""
+
+    def __init__(self, **routing: Any) -> None:
+        self.prefix_router: PrefixRouter[str] = PrefixRouter(RoutingConfig(**routing))
+
+    def choose(self, hashes: list[bytes], loads: dict[str, float]) -> str:
+        for replica_id in loads:
+            self.prefix_router.set_capacity(replica_id, MAX_TRACKED_CHUNKS)
+        return self.prefix_router.choose(hashes, loads)
+
+    def keep_only(self, live: list[str]) -> None:
+        for replica_id in self.prefix_router.targets():
+            if replica_id not in live:
+                self.prefix_router.remove(replica_id)
+
+
 class PrefixAwareRequestRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """kwargs: RoutingConfig's fields (routing_imbalanced_threshold, routing_match_rate_threshold)."""
-        self.prefix_router: PrefixRouter[ReplicaID] = PrefixRouter(RoutingConfig(**kwargs))
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        deployment = self._deployment_id
+        self.index = PrefixIndex.options(
+            name=f"raylm-prefix-index:{deployment.app_name}:{deployment.name}", namespace=SERVE_NAMESPACE,
+            get_if_exists=True, lifetime="detached").remote(**kwargs)
+        # Detached so that it outlives any one caller; Serve's controller kills it on serve.shutdown().
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        ray.get(controller._register_shutdown_cleanup_actor.remote(self.index))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -47,24 +76,15 @@ class PrefixAwareRequestRouter(RequestRouter):
             return [candidate_replicas]
         request = next((arg for arg in pending_request.args if hasattr(arg, "model_fields")), None)
         hashes = text_block_hashes(prompt_text(request)) if request is not None else []
-        by_id = {replica.replica_id: replica for replica in candidate_replicas}
-        for replica_id in by_id:
-            self.prefix_router.set_capacity(replica_id, MAX_TRACKED_CHUNKS)
+        by_id = {replica.replica_id.to_full_id_str(): replica for replica in candidate_replicas}
         cache = self.replica_queue_len_cache
-        loads = {replica_id: float(cache.get(replica_id) or 0) for replica_id in by_id}
-        chosen = self.prefix_router.choose(hashes, loads)
-        return [[by_id[chosen]], [replica for replica_id, replica in by_id.items() if replica_id != chosen]]
+        loads = {key: float(cache.get(replica.replica_id) or 0) for key, replica in by_id.items()}
+        chosen = await self.index.choose.remote(hashes, loads)
+        return [[by_id[chosen]], [replica for key, replica in by_id.items() if key != chosen]]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        live = {replica.replica_id for replica in replicas}
-        for replica_id in self.prefix_router.targets():
-            if replica_id not in live:
-                self.prefix_router.remove(replica_id)
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self.prefix_router.remove(replica_id)
+        self.index.keep_only.remote([replica.replica_id.to_full_id_str() for replica in replicas])
 
 
 def prefix_router_config(routing: RoutingConfig) -> Any:
