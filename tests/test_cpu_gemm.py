@@ -46,9 +46,10 @@ def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm
     timed: list[tuple[int, ...]] = []
     real_time_kernels = cpu_gemm.time_kernels
 
-    def counting(layer: CpuGemmMixin) -> tuple[GemmPlan, dict[str, list[float]]]:
-        timed.append(tuple(layer.weight.shape))
-        return real_time_kernels(layer)
+    def counting(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[float]]]:
+        assert len({tuple(layer.weight.shape) for layer in layers}) == 1, "one shape's layers per timing"
+        timed.append(tuple(layers[0].weight.shape))
+        return real_time_kernels(layers)
 
     monkeypatch.setattr(cpu_gemm, "time_kernels", counting)
     model = load_model(llama_path, AutoConfig.from_pretrained(llama_path))
@@ -85,7 +86,7 @@ def test_both_kernels_compute_the_linear(use_onednn: bool, gemm_cache: Path) -> 
 
 def test_a_shape_whose_plan_never_uses_onednn_drops_its_packed_copy(gemm_cache: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_gemm, "time_kernels", lambda layer: (GemmPlan((False,) * len(ROW_BUCKETS)), {}))
+    monkeypatch.setattr(cpu_gemm, "time_kernels", lambda layers: (GemmPlan((False,) * len(ROW_BUCKETS)), {}))
     model = torch.nn.Sequential(LinearBase(32, 48, bias=False), LinearBase(32, 48, bias=False))
     for layer in model:
         layer.process_weights_after_loading()

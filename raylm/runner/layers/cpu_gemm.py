@@ -8,7 +8,9 @@ runs `sgemm_fp32` (x upcast, sgemm, the result cast back), 3-5x torch's own bflo
 Which one wins depends on the CPU, the shape and the rows of the batch: on one 2-core EPYC oneDNN ran 1.5-3x sgemm
 from 8 rows on the 107M model's shapes, yet lost to it by 2x on a 256 x 256 weight below 32 rows. So after loading,
 `plan_linears` gives every weight shape of the model a GemmPlan, one kernel per row bucket, by timing both kernels
-with the threads the worker runs with. Plans are kept in the user cache per machine (CPU features, torch, threads,
+with the threads the worker runs with. Small batches are timed over as many of the shape's layers as it takes to
+outgrow the CPU's caches, since a decode step streams each weight from memory once: timed on one cache-resident
+weight, sgemm at one row looked as fast as oneDNN, yet ran at half its speed from memory. Plans are kept in the user cache per machine (CPU features, torch, threads,
 shapes): every process on the machine picks the same kernels (so rounds alike) and a later start-up does not measure
 again. Delete `~/.cache/raylm/gemm_plans` to measure anew.
 """
@@ -38,6 +40,10 @@ _TIMED_ROUNDS = 5
 # Past this many FLOPs per call both kernels are compute-bound: larger buckets take the last timed choice, which
 # keeps the start-up cost of a big model's shapes to seconds.
 _MAX_TIMED_FLOPS = 4e9
+# Up to this many rows a kernel is memory-bound: it is timed over enough layers' weights to fill _COLD_BYTES, more than
+# a server CPU's last-level cache holds, so each call reads its weight from memory as in a real step.
+_COLD_MAX_ROWS = 16
+_COLD_BYTES = 96 * 2**20
 
 Shape = tuple[int, int, bool]  # (out_features, in_features, has_bias)
 
@@ -133,13 +139,14 @@ def plan_linears(model: nn.Module) -> None:
     dtype, threads = next(iter(layers.values()))[0].weight.dtype, torch.get_num_threads()
     shapes = sorted(layers)
     key = content_key("gemm_plans", repr(shapes), str(dtype), str(threads), cpu_flags(), torch.__version__,
-                      repr(ROW_BUCKETS), sys.implementation.cache_tag)
+                      repr(ROW_BUCKETS), f"cold {_COLD_MAX_ROWS} rows {_COLD_BYTES}",
+                      sys.implementation.cache_tag)
     folder = cache_path("gemm_plans", key)
 
     def time_into(tmp: Path) -> dict[Shape, GemmPlan]:
         plans, figures = {}, {}
         for shape in shapes:
-            plans[shape], figures[f"{shape[0]}x{shape[1]}"] = time_kernels(layers[shape][0])
+            plans[shape], figures[f"{shape[0]}x{shape[1]}"] = time_kernels(layers[shape])
         (tmp / "plans.json").write_text(json.dumps({
             "dtype": str(dtype), "threads": threads, "row_buckets": ROW_BUCKETS, "gflops": figures,
             "plans": [[*shape, plans[shape].use_onednn] for shape in shapes]}))
@@ -167,13 +174,13 @@ def _why_not_onednn(model: nn.Module) -> str:
     return ""
 
 
-def time_kernels(layer: CpuGemmMixin) -> tuple[GemmPlan, dict[str, list[float]]]:
-    """Times both kernels on the layer's weight at every row bucket, their calls interleaved (best of
-    _TIMED_ROUNDS each); returns the plan and the GFLOP/s of each kernel per bucket timed."""
-    weight, packed = layer.weight, layer.packed_weight
-    assert packed is not None
-    out_features, in_features = weight.shape
-    bias = None if layer.bias is None else torch.zeros_like(layer.bias)
+def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[float]]]:
+    """Times both kernels on the layers' weights (all of one shape) at every row bucket, their calls interleaved
+    (best of _TIMED_ROUNDS each); returns the plan and the GFLOP/s of each kernel per bucket timed."""
+    out_features, in_features = layers[0].weight.shape
+    bias = None if layers[0].bias is None else torch.zeros_like(layers[0].bias)
+    weight_bytes = layers[0].weight.numel() * layers[0].weight.element_size()
+    num_cold = min(len(layers), -(-_COLD_BYTES // weight_bytes))
     choices: list[bool] = []
     figures: dict[str, list[float]] = {"sgemm": [], "onednn": []}
     for rows in ROW_BUCKETS:
@@ -181,24 +188,27 @@ def time_kernels(layer: CpuGemmMixin) -> tuple[GemmPlan, dict[str, list[float]]]
         if choices and flops > _MAX_TIMED_FLOPS:
             choices.append(choices[-1])
             continue
-        best = _best_seconds(torch.randn(rows, in_features, dtype=weight.dtype), weight, packed, bias)
+        timed = layers[:num_cold] if rows <= _COLD_MAX_ROWS else layers[:1]
+        best = _best_seconds(torch.randn(rows, in_features, dtype=layers[0].weight.dtype), timed, bias)
         for name, seconds in best.items():
             figures[name].append(round(flops / seconds / 1e9, 1))
         choices.append(best["onednn"] < best["sgemm"])
     return GemmPlan(tuple(choices)), figures
 
 
-def _best_seconds(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-                  ) -> dict[str, float]:
-    calls: dict[str, Callable[[], torch.Tensor]] = {
-        "sgemm": lambda: F.linear(x, weight, bias),
-        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
+def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tensor | None) -> dict[str, float]:
+    """Seconds per call of each kernel, over the layers' weights in turn."""
+    weights = [(layer.weight, layer.packed_weight) for layer in layers]
+    calls: dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
+        "sgemm": lambda weight, packed: F.linear(x, weight, bias),
+        "onednn": lambda weight, packed: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
     }
     best = {name: float("inf") for name in calls}
     for round_index in range(_TIMED_ROUNDS + 1):
         for name, call in calls.items():
             start = time.perf_counter()
-            call()
+            for weight, packed in weights:
+                call(weight, packed)
             if round_index:  # round 0 warms up: oneDNN creates its primitive, the caches fill
-                best[name] = min(best[name], time.perf_counter() - start)
+                best[name] = min(best[name], (time.perf_counter() - start) / len(weights))
     return best
