@@ -10,9 +10,9 @@ from 8 rows on the 107M model's shapes, yet lost to it by 2x on a 256 x 256 weig
 `plan_linears` gives every weight shape of the model a GemmPlan, one kernel per row bucket, by timing both kernels
 with the threads the worker runs with. Small batches are timed over as many of the shape's layers as it takes to
 outgrow the CPU's caches, since a decode step streams each weight from memory once: timed on one cache-resident
-weight, sgemm at one row looked as fast as oneDNN, yet ran at half its speed from memory. Plans are kept in the user cache per machine (CPU features, torch, threads,
-shapes): every process on the machine picks the same kernels (so rounds alike) and a later start-up does not measure
-again. Delete `~/.cache/raylm/gemm_plans` to measure anew.
+weight, sgemm at one row looked as fast as oneDNN, yet ran at half its speed from memory. Plans are kept in the
+user cache per machine (CPU features, torch, threads, shapes): every process on the machine picks the same kernels (so
+rounds alike) and a later start-up does not measure again. Delete `~/.cache/raylm/gemm_plans` to measure anew.
 """
 from __future__ import annotations
 
