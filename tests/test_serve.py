@@ -21,7 +21,14 @@ from ray import serve
 from ray._private.state import actors
 from ray.serve.context import _get_global_client
 
-from raylm.cluster.serve import SERVE_ENV_VARS, LLMServer, build_app, llm_server_options, start_serve
+from raylm.cluster.serve import (
+    SERVE_ENV_VARS,
+    LLMServer,
+    build_app,
+    llm_server_options,
+    replica_torch_threads,
+    start_serve,
+)
 from raylm.configs import make_engine_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +99,15 @@ def test_serve_actors_get_raylm_settings(base_url: str, llama_path: Path) -> Non
         assert os.getpriority(os.PRIO_PROCESS, pid) == 0
     assert SERVE_ENV_VARS.items() <= _environ(proxy).items()
     assert _environ(replica)["PYTHONPATH"] == str(REPO_ROOT)
+
+
+def test_a_replica_computes_on_every_core_unless_told(base_url: str) -> None:
+    """Ray sets OMP_NUM_THREADS to an actor's num_cpus (a replica reserves 1); a CPU engine in the replica would then
+    run on one core. The app's runtime_env can still set the threads."""
+    cores = len(os.sched_getaffinity(0))
+    probe = ray.remote(num_cpus=1)(replica_torch_threads)
+    assert ray.get(probe.remote()) == cores
+    assert ray.get(probe.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote()) == 1
 
 
 def _environ(pid: int) -> dict[str, str]:

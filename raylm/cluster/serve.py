@@ -15,10 +15,12 @@ with `start_serve` (or a Serve config's `controller_options`) to give the proxy 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import ray
+import torch
 from fastapi import FastAPI
 from ray import serve
 from starlette.types import Message
@@ -60,6 +62,7 @@ class LLMEngineServer(LLMServerHandles):
     labelled with that replica's id; the same series go to Ray's metrics from every replica."""
 
     async def __init__(self, config: EngineConfig) -> None:
+        torch.set_num_threads(replica_torch_threads())
         replica = serve.get_replica_context().replica_id.unique_id
         model_name = served_model_name(config.model_config)
         self.metrics = PrometheusStatLogger(model_name, replica)
@@ -154,6 +157,16 @@ def llm_server_options(config: EngineConfig) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if in_process_device else 0,
                               "runtime_env": _replica_runtime_env()},
     }
+
+
+def replica_torch_threads() -> int:
+    """The torch threads of a replica's process, where a CPU engine computes in the replica itself: every core the
+    process may run on, as `raylm serve --no-ray` uses, unless the app's runtime_env sets OMP_NUM_THREADS. Ray sets
+    OMP_NUM_THREADS to the replica's num_cpus (1) otherwise, which halved a 2-core node's throughput."""
+    user_setting = ray.get_runtime_context().runtime_env.get("env_vars", {}).get("OMP_NUM_THREADS")
+    if user_setting is not None:
+        return max(1, int(user_setting))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _replica_runtime_env() -> dict[str, Any]:
