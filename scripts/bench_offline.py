@@ -140,7 +140,7 @@ def bench_shape(preset: str, model: Path, args: argparse.Namespace, engines: dic
 
 
 def print_table(results: list[ShapeResult], runs: int) -> None:
-    print(f"\n{'shape':<6}{'engine':<14}{'requests':>9}{'out tokens':>11}{'median s':>10}{'spread':>8}"
+    print(f"\n{'shape':<12}{'engine':<14}{'requests':>9}{'out tokens':>11}{'median s':>10}{'spread':>8}"
           f"{'tok/s':>9}{'GFLOP/s':>9}{'raylm / engine':>16}")
     for result in results:
         raylm = result.times["raylm"]
@@ -151,7 +151,7 @@ def print_table(results: list[ShapeResult], runs: int) -> None:
             if name != "raylm":
                 paired = statistics.median(other / mine for mine, other in zip(raylm, times))
                 ratio = f"{median / statistics.median(raylm):.2f}x ({paired:.2f}x)"
-            print(f"{result.preset:<6}{name:<14}{result.num_requests:>9}{result.output_tokens:>11}{median:>10.2f}"
+            print(f"{result.preset:<12}{name:<14}{result.num_requests:>9}{result.output_tokens:>11}{median:>10.2f}"
                   f"{spread:>7.0f}%{result.output_tokens / median:>9.0f}{result.flops / median / 1e9:>9.1f}"
                   f"{ratio:>16}")
     print(f"(median of {runs} interleaved runs; spread = (max - min) / median; ratio of medians, in brackets the "
@@ -229,10 +229,11 @@ def main() -> None:
         engines["transformers"] = sys.executable
     before = machine_line()
     print(before, file=sys.stderr)
-    results = []
-    for preset in (list(PRESETS) if args.shapes else [args.preset]):
-        model = Path(args.model) if args.model else preset_model(preset)
-        results.append(bench_shape(preset, model, args, engines))
+    if args.model:  # the user's checkpoint, labelled by its folder
+        models = [(Path(args.model).name, Path(args.model))]
+    else:
+        models = [(preset, preset_model(preset)) for preset in (PRESETS if args.shapes else [args.preset])]
+    results = [bench_shape(label, model, args, engines) for label, model in models]
     print(f"\n{len(engines)} engines, input {args.input_len[0]}-{args.input_len[1]}, output "
           f"{args.output_len[0]}-{args.output_len[1]} tokens, greedy fp32, prefix caching off, "
           f"{torch.get_num_threads()} threads")
