@@ -103,7 +103,8 @@ def test_serve_actors_get_raylm_settings(base_url: str, llama_path: Path) -> Non
 
 def test_a_replica_computes_on_every_core_unless_told(base_url: str) -> None:
     """Ray sets OMP_NUM_THREADS to an actor's num_cpus (a replica reserves 1); a CPU engine in the replica would then
-    run on one core. The app's runtime_env can still set the threads."""
+    run on one core. OMP_NUM_THREADS in the environment the replica starts with (the app's runtime_env, or the
+    node's) still sets the threads."""
     cores = len(os.sched_getaffinity(0))
     probe = ray.remote(num_cpus=1)(replica_torch_threads)
     assert ray.get(probe.remote()) == cores

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -161,12 +162,23 @@ def llm_server_options(config: EngineConfig) -> dict[str, Any]:
 
 def replica_torch_threads() -> int:
     """The torch threads of a replica's process, where a CPU engine computes in the replica itself: every core the
-    process may run on, as `raylm serve --no-ray` uses, unless the app's runtime_env sets OMP_NUM_THREADS. Ray sets
-    OMP_NUM_THREADS to the replica's num_cpus (1) otherwise, which halved a 2-core node's throughput."""
-    user_setting = ray.get_runtime_context().runtime_env.get("env_vars", {}).get("OMP_NUM_THREADS")
-    if user_setting is not None:
+    process may run on, as `raylm serve --no-ray` uses, unless OMP_NUM_THREADS was in the environment the process
+    started with (the app's runtime_env, or the node's). Ray sets OMP_NUM_THREADS to the replica's num_cpus (1) inside
+    the process otherwise, which halved a 2-core node's throughput on SmolLM2."""
+    user_setting = _environment_at_start().get("OMP_NUM_THREADS")
+    if user_setting:
         return max(1, int(user_setting))
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _environment_at_start() -> dict[str, str]:
+    """The environment the process was started with (Linux keeps it in /proc/self/environ, untouched by later
+    os.environ changes); elsewhere the runtime_env's env_vars."""
+    try:
+        entries = Path("/proc/self/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return dict(ray.get_runtime_context().runtime_env.get("env_vars", {}))
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
 def _replica_runtime_env() -> dict[str, Any]:
