@@ -131,6 +131,10 @@ def test_prefix_routing_keeps_a_conversation_on_one_replica(http_url: str, ray_m
         time.sleep(0.5)
         per_replica = _successes_by_replica(f"http://127.0.0.1:{ray_metrics_port}/metrics", "routed")
     assert sorted(per_replica.values()) == [3.0, 3.0], per_replica
+    # The routers share one index actor; without it they route by load, and requests still succeed.
+    ray.kill(ray.get_actor("raylm-prefix-index:routed:LLMServer:routed", namespace="serve"))
+    answer = client.chat.completions.create(model="routed", messages=messages, max_tokens=2, temperature=0.0)
+    assert answer.choices[0].message.content
 
 
 def _successes_by_replica(url: str, model: str) -> dict[str, float]:

@@ -79,7 +79,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         by_id = {replica.replica_id.to_full_id_str(): replica for replica in candidate_replicas}
         cache = self.replica_queue_len_cache
         loads = {key: float(cache.get(replica.replica_id) or 0) for key, replica in by_id.items()}
-        chosen = await self.index.choose.remote(hashes, loads)
+        try:
+            chosen = await self.index.choose.remote(hashes, loads)
+        except ray.exceptions.RayActorError:  # the index is gone (its node died): route by load alone meanwhile
+            chosen = min(loads, key=loads.__getitem__)
         return [[by_id[chosen]], [replica for key, replica in by_id.items() if key != chosen]]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
