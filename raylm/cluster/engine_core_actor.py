@@ -15,7 +15,6 @@ forwards still need this engine's share of the collectives, on its weights.
 """
 from __future__ import annotations
 
-import os
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from raylm.cluster.stats import SchedulerStats
 from raylm.common.parallel_layout import DataParallelInfo
 from raylm.configs import EngineConfig
 from raylm.executor.channel import WorkerChannel
+from raylm.executor.cluster_resources import process_cores
 
 # Steps between "is any request left?" checks of lock-step engines: vLLM's figure. A wave ends at most this many
 # dummy steps after its last request finishes.
@@ -80,7 +80,7 @@ class EngineCoreActor:
         return self.core.num_blocks
 
     def num_cores(self) -> int:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return process_cores()
 
     def run(self, address: tuple[str, int], token: str) -> None:
         """Serve the client until it sends None or closes the connection."""

@@ -15,7 +15,6 @@ with `start_serve` (or a Serve config's `controller_options`) to give the proxy 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from raylm.cluster.serve_handles import LLMServerHandles
 from raylm.cluster.serve_ingress import OpenAIIngress, ingress_options
 from raylm.cluster.serve_router import prefix_router_config
 from raylm.configs import EngineConfig, make_engine_config
-from raylm.executor.cluster_resources import ClusterCapacity, check_fits
+from raylm.executor.cluster_resources import ClusterCapacity, check_fits, process_cores
 from raylm.executor.placement import describe_engine, engine_bundles
 
 # The engine batches and queues requests itself: Serve must not hold them back from a replica.
@@ -168,7 +167,7 @@ def replica_torch_threads() -> int:
     user_setting = _environment_at_start().get("OMP_NUM_THREADS")
     if user_setting:
         return max(1, int(user_setting))
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return process_cores()
 
 
 def _environment_at_start() -> dict[str, str]:

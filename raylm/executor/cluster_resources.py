@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -19,6 +20,11 @@ from ray.util.placement_group import PlacementGroup
 from raylm.configs.envs import RAYLM_PLACEMENT_GROUP_TIMEOUT_S, placement_group_timeout_s
 
 logger = logging.getLogger(__name__)
+
+
+def process_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask): what a CPU engine's torch threads divide."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 Bundle = dict[str, float]
 _LOG_INTERVAL_S = 10.0

@@ -17,6 +17,7 @@ from torch.distributed import TCPStore
 from raylm.common.parallel_layout import DataParallelInfo
 from raylm.configs import EngineConfig
 from raylm.executor.channel import WorkerChannel
+from raylm.executor.cluster_resources import process_cores
 from raylm.worker.worker import Worker
 
 
@@ -29,10 +30,6 @@ def cuda_device_index(ray_gpu_id: str, visible_devices: str | None) -> int:
     if ray_gpu_id not in visible:
         raise RuntimeError(f"Ray assigned GPU {ray_gpu_id}, but CUDA_VISIBLE_DEVICES={visible_devices!r} hides it")
     return visible.index(ray_gpu_id)
-
-
-def _num_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class RayWorkerWrapper:
@@ -57,7 +54,7 @@ class RayWorkerWrapper:
             assert len(gpu_ids) == 1, f"a worker owns one GPU; Ray assigned {gpu_ids}"
             local_rank = cuda_device_index(gpu_ids[0], os.environ.get("CUDA_VISIBLE_DEVICES"))
         else:
-            num_threads = max(1, _num_cores() // num_local_workers)
+            num_threads = max(1, process_cores() // num_local_workers)
         self.worker = Worker(config, self.rank, local_rank, distributed_init_method, num_threads,
                              data_parallel)
         self.worker.init_device()
