@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # The connectors raylm ships; any other is named by kv_connector with kv_connector_module_path.
 KNOWN_KV_CONNECTORS = ("OffloadingConnector", "RayKVConnector")
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KVTransport = Literal["object_store", "p2p"]
 
 
 class KVTransferConfig(BaseModel):
@@ -33,12 +34,19 @@ class KVTransferConfig(BaseModel):
     kv_transfer_timeout_s: float = Field(
         30.0, gt=0.0, description="how long a decode engine waits for a prefill's KV (then it recomputes), and how "
                                   "long an untaken transfer is kept")
+    kv_transport: KVTransport = Field(
+        "object_store", description="RayKVConnector: how a prefill engine's KV reaches a decode engine: object_store "
+                                    "(through Ray's object store, device to host and back) or p2p (a direct "
+                                    "torch.distributed channel between the two workers: gloo on CPU, NCCL on CUDA). "
+                                    "The prefill engine's setting decides; a decode engine takes either")
 
     @model_validator(mode="after")
     def _check(self) -> KVTransferConfig:
         if self.kv_connector is None:
             if self.kv_role is not None or self.kv_connector_module_path is not None:
                 raise ValueError("kv_role and kv_connector_module_path need kv_connector")
+            if self.kv_transport != "object_store":
+                raise ValueError(f"kv_transport {self.kv_transport!r} needs kv_connector RayKVConnector")
             return self
         if self.kv_role is None:
             raise ValueError(f"kv_role: required with kv_connector {self.kv_connector!r} (kv_producer, kv_consumer "
@@ -48,6 +56,9 @@ class KVTransferConfig(BaseModel):
                              f"name its module with kv_connector_module_path")
         if self.kv_connector == "OffloadingConnector" and self.kv_role != "kv_both":
             raise ValueError("kv_role: the OffloadingConnector both saves and loads KV: use kv_both")
+        if self.kv_transport != "object_store" and self.kv_connector == "OffloadingConnector":
+            raise ValueError(f"kv_transport {self.kv_transport!r}: the OffloadingConnector keeps blocks in the object "
+                             f"store; kv_transport is RayKVConnector's")
         return self
 
 

@@ -5,64 +5,36 @@ The caller (raylm's Serve PD proxy, or any client) sends the prompt to the prefi
 `kv_transfer_params: {"do_remote_decode": true}`; the finished request's output carries kv_transfer_params naming the
 transfer, which the caller passes on with the same prompt to a decode engine.
 
-Producer: in the step that completes the prompt, each attention layer's blocks of the request are copied out as soon as
-the layer has written them (save_kv_layer) and put into Ray's object store on a sender thread while the next layers
-compute; wait_for_save then offers the layers under the transfer's key. The
-request's blocks stay held (delay_free) until the puts are done. Consumer: the prompt's tokens but the last are
-external; the request waits in WAITING_FOR_REMOTE_KVS while a thread takes the transfer from that KVStore (waiting up to
-kv_transfer_timeout_s for it) and copies it, layer by layer, into the blocks past its own prefix-cache hit; the last
-prompt token is computed here and gives the first sampled token. A transfer that does not come, lacks layers or does
-not match the prompt is recomputed. The KV goes worker to object store to worker: never through a driver.
+Producer, kv_transport object_store: in the step that completes the prompt, each attention layer's blocks are copied
+out as soon as the layer has written them (save_kv_layer) and put into Ray's object store on a sender thread while the
+next layers compute; wait_for_save then offers the layers under the transfer's key to the node's KVStore; the blocks
+stay held (delay_free) until the puts are done. kv_transport p2p: wait_for_save offers the blocks themselves, held until
+a decode worker has taken them over a direct channel (p2p_channel.py) or kv_transfer_timeout_s passes. Consumer: the
+prompt's tokens but the last are external; the request waits in WAITING_FOR_REMOTE_KVS while a thread takes the
+transfer the params name (from that KVStore, or from the prefill worker), layer by layer, into the blocks past its own
+prefix-cache hit; the last prompt token is computed here and gives the first sampled token. A transfer that does not
+come, lacks layers or does not match the prompt is recomputed. The KV never passes through a driver.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import uuid
-from array import array
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch
 
-from raylm.common.kv_transfer import KVConnectorMetadata
 from raylm.common.outputs import SchedulerOutput
 from raylm.runner.kv_transfer.base import KVConnectorBase, KVConnectorRole, kv_transfer_params
 from raylm.runner.kv_transfer.block_copy import gather_layer, scatter_layer
 from raylm.runner.kv_transfer.kv_store import kv_store_by_name, kv_store_name, node_kv_store
+from raylm.runner.kv_transfer.p2p_channel import P2PConsumer, P2PProducer
+from raylm.runner.kv_transfer.ray_kv_metadata import RayKVMetadata, RecvJob, SendJob, prompt_digest
 
 logger = logging.getLogger(__name__)
-
-
-def prompt_digest(token_ids: list[int]) -> str:
-    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()
-
-
-@dataclass
-class SendJob:
-    request_id: str
-    key: str
-    block_ids: list[int]  # the prompt's blocks
-    refs: dict[str, list[Any]] = field(default_factory=dict)  # layer name -> [ObjectRef] once put
-
-
-@dataclass
-class RecvJob:
-    request_id: str
-    key: str
-    store_name: str
-    first_block: int  # the prompt's blocks from this one on are loaded (the ones before are cached here)
-    block_ids: list[int]
-    timeout_s: float
-
-
-@dataclass
-class RayKVMetadata(KVConnectorMetadata):
-    sends: list[SendJob] = field(default_factory=list)
-    recvs: list[RecvJob] = field(default_factory=list)
 
 
 @dataclass
@@ -79,6 +51,7 @@ class RayKVConnector(KVConnectorBase):
         self.is_producer = kv_role in ("kv_producer", "kv_both")
         self.is_consumer = kv_role in ("kv_consumer", "kv_both")
         self.timeout_s = config.kv_transfer_config.kv_transfer_timeout_s
+        self.transport = config.kv_transfer_config.kv_transport
         self.num_layers = config.model_info.num_hidden_layers
         if role == KVConnectorRole.SCHEDULER:
             self.engine_id = uuid.uuid4().hex
@@ -94,7 +67,7 @@ class RayKVConnector(KVConnectorBase):
     def set_xfer_handshake_metadata(self, metadata: list[dict[str, Any] | None]) -> None:
         [worker] = metadata
         assert worker is not None
-        self.store_name: str = worker["store_name"]
+        self.source: dict[str, Any] = worker  # the params' fields saying where the KV is
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = kv_transfer_params(request)
@@ -120,8 +93,9 @@ class RayKVConnector(KVConnectorBase):
             first, params = found
             self._consumed.add(request.request_id)
             last = -(-(first * self.block_size + num_external_tokens) // self.block_size)
-            self._recvs.append(RecvJob(request.request_id, params["remote_transfer_key"], params["remote_store"],
-                                       first, block_ids[first:last], self.timeout_s))
+            source = {name: params[name] for name in ("remote_store", "remote_host", "remote_port") if name in params}
+            self._recvs.append(RecvJob(request.request_id, params["remote_transfer_key"], source, first,
+                                       block_ids[first:last], self.timeout_s))
         params = kv_transfer_params(request)
         if self.is_producer and params and params.get("do_remote_decode"):
             self._producing[request.request_id] = _Producing(request.num_prompt_tokens, list(block_ids))
@@ -150,9 +124,9 @@ class RayKVConnector(KVConnectorBase):
         state = self._producing.pop(request.request_id, None)
         if state is None or not state.sent:
             return False, None
-        return True, {
+        return True, self.source | {
             "do_remote_prefill": True, "remote_transfer_key": self._key(request.request_id),
-            "remote_store": self.store_name, "remote_num_tokens": state.num_prompt_tokens,
+            "remote_num_tokens": state.num_prompt_tokens,
             "remote_block_size": self.block_size, "remote_num_layers": self.num_layers,
             "remote_prompt_digest": prompt_digest(request.prompt_token_ids)}
 
@@ -183,31 +157,35 @@ class RayKVConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.store = node_kv_store(self.node_id)
+        # p2p: the prefill worker serves its held blocks itself and nothing goes to the node's KVStore.
+        p2p_producer = self.is_producer and self.transport == "p2p"
+        self.store = None if self.transport == "p2p" else node_kv_store(self.node_id)
+        self._producer = P2PProducer(kv_caches, self.timeout_s, self._sent) if p2p_producer else None
+        self._consumer = P2PConsumer(kv_caches, self.timeout_s) if self.is_consumer else None  # if params say p2p
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-send")  # one: a job's puts, then its offer
         self._receiver = ThreadPoolExecutor(4, thread_name_prefix="raylm-kv-recv")
         self._lock = threading.Condition()
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
         self._invalid: set[int] = set()
-        self._num_receiving = 0
 
     def get_handshake_metadata(self) -> dict[str, Any]:
-        return {"store_name": kv_store_name(self.node_id)}
+        if self._producer is not None:
+            return {"remote_host": self._producer.host, "remote_port": self._producer.port}
+        return {"remote_store": kv_store_name(self.node_id)}
 
     def start_load_kv(self, forward_context: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, RayKVMetadata)
         for job in metadata.recvs:
-            with self._lock:
-                self._num_receiving += 1
             self._receiver.submit(self._receive, job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request's KV is received before it is scheduled."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
-        self._save_layer(layer_name, kv_layer)
+        if self._producer is None:  # p2p sends from the held blocks when a consumer asks
+            self._save_layer(layer_name, kv_layer)
 
     def _save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         metadata = self._get_connector_metadata()
@@ -222,6 +200,10 @@ class RayKVConnector(KVConnectorBase):
         assert isinstance(metadata, RayKVMetadata)
         if not metadata.sends:
             return
+        if self._producer is not None:
+            for job in metadata.sends:
+                self._producer.offer(job.key, job.request_id, job.block_ids)
+            return
         # Layers a captured CUDA graph ran without calling save_kv_layer are saved now.
         for layer_name, kv_layer in self.kv_caches.items():
             self._save_layer(layer_name, kv_layer)
@@ -229,8 +211,9 @@ class RayKVConnector(KVConnectorBase):
             self._sender.submit(self._offer, job)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        expired = set() if self._producer is None else self._producer.expire()  # untaken p2p offers free their blocks
         with self._lock:
-            sending, self._finished_sending = self._finished_sending, set()
+            sending, self._finished_sending = self._finished_sending | expired, set()
             recving, self._finished_recving = self._finished_recving, set()
         return sending or None, recving or None
 
@@ -247,6 +230,9 @@ class RayKVConnector(KVConnectorBase):
     def shutdown(self) -> None:
         self._sender.shutdown(wait=True)
         self._receiver.shutdown(wait=True)
+        for channel in (self._producer, self._consumer):
+            if channel is not None:
+                channel.close()
 
     def _put(self, job: SendJob, layer_name: str, blocks: Any) -> None:
         try:
@@ -256,36 +242,49 @@ class RayKVConnector(KVConnectorBase):
 
     def _offer(self, job: SendJob) -> None:
         try:
+            assert self.store is not None
             layers = {name: refs for name, refs in job.refs.items() if refs}
             ray.get(self.store.offer_transfer.remote(job.key, layers, len(self.kv_caches), self.timeout_s))
         except Exception:
             logger.exception("request %s: offering its KV to the node's store failed", job.request_id)
+        self._sent(job.request_id)
+
+    def _sent(self, request_id: str) -> None:
         with self._lock:
-            self._finished_sending.add(job.request_id)
+            self._finished_sending.add(request_id)
             self._lock.notify_all()
 
     def _receive(self, job: RecvJob) -> None:
         ok = False
         try:
-            store = kv_store_by_name(job.store_name)
-            taken = ray.get(store.take_transfer.remote(job.key, job.timeout_s))
-            if taken is None:
-                logger.warning("request %s: its prefill's KV did not come within %.0f s; it is recomputed",
-                               job.request_id, job.timeout_s)
-            elif set(taken[0]) != set(self.kv_caches) or taken[1] != len(self.kv_caches):
-                logger.warning("request %s: its prefill's KV has %d of %d layers; it is recomputed", job.request_id,
-                               len(taken[0]), len(self.kv_caches))
-            else:
-                for layer_name, kv_layer in self.kv_caches.items():  # layer by layer, as each arrives
-                    blocks = ray.get(taken[0][layer_name][0])
-                    scatter_layer(kv_layer, job.block_ids,
-                                  blocks[:, job.first_block:job.first_block + len(job.block_ids)])
-                ok = True
+            ok = self._receive_p2p(job) if "remote_host" in job.source else self._take_from_store(job)
         except Exception:
             logger.exception("request %s: receiving its prefill's KV failed; it is recomputed", job.request_id)
         with self._lock:
             if not ok:
                 self._invalid.update(job.block_ids)
             self._finished_recving.add(job.request_id)
-            self._num_receiving -= 1
             self._lock.notify_all()
+
+    def _take_from_store(self, job: RecvJob) -> bool:
+        taken = ray.get(kv_store_by_name(job.source["remote_store"]).take_transfer.remote(job.key, job.timeout_s))
+        if taken is None:
+            logger.warning("request %s: its prefill's KV did not come within %.0f s; it is recomputed",
+                           job.request_id, job.timeout_s)
+            return False
+        if set(taken[0]) != set(self.kv_caches) or taken[1] != len(self.kv_caches):
+            logger.warning("request %s: its prefill's KV has %d of %d layers; it is recomputed", job.request_id,
+                           len(taken[0]), len(self.kv_caches))
+            return False
+        for layer_name, kv_layer in self.kv_caches.items():  # layer by layer, as each arrives
+            blocks = ray.get(taken[0][layer_name][0])
+            scatter_layer(kv_layer, job.block_ids, blocks[:, job.first_block:job.first_block + len(job.block_ids)])
+        return True
+
+    def _receive_p2p(self, job: RecvJob) -> bool:
+        assert self._consumer is not None
+        if self._consumer.receive(job.source["remote_host"], job.source["remote_port"], job.key, job.first_block,
+                                  job.block_ids):
+            return True
+        logger.warning("request %s: its prefill worker no longer holds its KV; it is recomputed", job.request_id)
+        return False

@@ -1,0 +1,235 @@
+"""RayKVConnector over kv_transport="p2p": the prefill worker sends a prompt's KV to the decode worker on a process
+group of their own (gloo here), not through Ray's object store. The decode engine gives the colocated engine's tokens,
+greedy and seeded, for prompts ending mid-block, with prefix-cache hits on the decode side and from a producer in
+another process; a transfer the producer no longer holds, a producer whose channel is shut or whose process died, and
+a pair whose group broke are recomputed, with every block of both engines back in its pool, and the next transfer
+pairs again. Nothing goes into the object store.
+
+The prefill engine here is stepped by hand (prefill_held): with p2p its worker holds a prompt's blocks until a decode
+worker takes them, and LLM.generate waits for that too, so a caller that goes on to the decode engine only once
+generate returns would find the blocks timed out. Serve's replicas (AsyncLLM) keep stepping and need no such care."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from raylm.cluster import LLM, RequestOutput, SamplingParams
+from raylm.cluster.serve_pd import pd_engine_config
+from raylm.configs.kv_transfer import KVTransferConfig
+from raylm.runner.kv_transfer.kv_store import kv_store_name
+from tests.test_kv_connector import (
+    ENGINE,
+    GREEDY,
+    PREFILL,
+    SEEDED,
+    assert_pool_empty,
+    scheduler_of,
+    token_prompts,
+    tokens,
+)
+
+P2P = dict(kv_connector="RayKVConnector", kv_transport="p2p", kv_transfer_timeout_s=3.0)
+
+
+def prefill_held(prefill: LLM, prompts: list[Any]) -> list[dict[str, Any]]:
+    """Each prompt's kv_transfer_params, as soon as its prefill has finished (its blocks still held for a consumer)."""
+    engine = prefill.llm_engine
+    request_ids = [uuid.uuid4().hex for _ in prompts]
+    for request_id, prompt in zip(request_ids, prompts):
+        engine.add_request(request_id, prompt, PREFILL, output_kind="final")
+    done: dict[str, RequestOutput] = {}
+    while len(done) < len(request_ids):
+        done |= {output.request_id: output for output in engine.step() if output.finished}
+    transfers = [done[request_id].kv_transfer_params for request_id in request_ids]
+    assert all(params is not None and "remote_port" in params and "remote_store" not in params
+               for params in transfers)
+    return transfers  # type: ignore[return-value]
+
+
+def finish(prefill: LLM) -> None:
+    """Step the prefill engine until its workers report the held blocks sent (or timed out), which frees them."""
+    while prefill.llm_engine.has_unfinished_requests():
+        prefill.llm_engine.step()
+
+
+def p2p_prefill_then_decode(prefill: LLM, decode: LLM, prompts: list[Any], params: SamplingParams,
+                            edit: Any = None) -> list[RequestOutput]:
+    transfers = prefill_held(prefill, prompts)
+    if edit is not None:
+        transfers = [edit(transfer) for transfer in transfers]
+    per_prompt = [replace(params, extra_args={"kv_transfer_params": transfer}) for transfer in transfers]
+    outputs = decode.generate(prompts, per_prompt, use_tqdm=False)
+    finish(prefill)
+    return outputs
+
+
+def worker_connector(llm: LLM) -> Any:
+    return llm.llm_engine.engine_core.executor.worker.model_runner.kv_connector
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster: Any, llama_path: Path) -> Iterator[dict[str, LLM]]:
+    model = str(llama_path)
+    built = {"colocated": LLM(model=model, **ENGINE),
+             "prefill": LLM(model=model, kv_role="kv_producer", **P2P, **ENGINE),
+             "decode": LLM(model=model, kv_role="kv_consumer", **P2P, **ENGINE)}
+    yield built
+    for llm in built.values():
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_p2p_equals_colocated(engines: dict[str, LLM], params: SamplingParams) -> None:
+    prompts = token_prompts((2, 5, 16, 17, 31, 33, 64, 100), seed=30 + params.greedy)
+    expected = tokens(engines["colocated"].generate(prompts, params, use_tqdm=False))
+    tracker = scheduler_of(engines["decode"]).kv_transfers
+    assert tracker is not None
+    received, failed = tracker.num_received_tokens, tracker.num_failed_loads
+    outputs = p2p_prefill_then_decode(engines["prefill"], engines["decode"], prompts, params)
+    assert tokens(outputs) == expected
+    assert tracker.num_received_tokens - received == sum(len(p["prompt_token_ids"]) - 1 for p in prompts)
+    assert tracker.num_failed_loads == failed
+    assert_pool_empty(engines["prefill"], engines["decode"])
+    # Nothing went through the object store: no engine here made its node's KVStore.
+    names = {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
+    assert kv_store_name(ray.get_runtime_context().get_node_id()) not in names
+
+
+def test_p2p_decode_side_prefix_hit_takes_only_the_rest(engines: dict[str, LLM]) -> None:
+    decode = engines["decode"]
+    [first] = token_prompts((60,), seed=31)
+    shared = first["prompt_token_ids"][:50]  # three whole blocks and two tokens
+    prompts = [{"prompt_token_ids": shared + tail["prompt_token_ids"]} for tail in token_prompts((23, 9), seed=32)]
+    decode.generate([first], GREEDY, use_tqdm=False)
+    scheduler = scheduler_of(decode)
+    assert scheduler.kv_transfers is not None
+    hits, received = scheduler.prefix_cache_hits, scheduler.kv_transfers.num_received_tokens
+    outputs = p2p_prefill_then_decode(engines["prefill"], decode, prompts, GREEDY)
+    assert tokens(outputs) == tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))
+    assert scheduler.prefix_cache_hits - hits == 2 * 48
+    assert scheduler.kv_transfers.num_received_tokens - received == sum(
+        len(p["prompt_token_ids"]) - 1 - 48 for p in prompts)
+    assert_pool_empty(engines["prefill"], decode)
+
+
+def test_p2p_transfer_not_held_is_recomputed(engines: dict[str, LLM]) -> None:
+    """The decode engine asks for a key the producer does not hold: told at once, it recomputes; the producer's own
+    offer, never taken, frees its blocks after kv_transfer_timeout_s."""
+    prefill, decode = engines["prefill"], engines["decode"]
+    prompts = token_prompts((20, 45), seed=33)
+    tracker = scheduler_of(decode).kv_transfers
+    assert tracker is not None
+    failed = tracker.num_failed_loads
+
+    def missing(params: dict[str, Any]) -> dict[str, Any]:
+        return params | {"remote_transfer_key": params["remote_transfer_key"] + "-gone"}
+
+    outputs = p2p_prefill_then_decode(prefill, decode, prompts, GREEDY, missing)
+    assert tokens(outputs) == tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))
+    assert tracker.num_failed_loads - failed == 2
+    assert_pool_empty(prefill, decode)
+
+
+def test_p2p_broken_pair_is_recomputed_then_paired_again(engines: dict[str, LLM]) -> None:
+    prefill, decode = engines["prefill"], engines["decode"]
+    consumer = worker_connector(decode)._consumer
+    [pair] = consumer._pairs.values()
+    with pytest.raises(RuntimeError):  # a receive that times out closes gloo's pair: the group is broken
+        pair.group.recv([torch.empty(1)], 0, 0).wait(timedelta(seconds=0.05))
+    tracker = scheduler_of(decode).kv_transfers
+    assert tracker is not None
+    broken, again = ([prompt] for prompt in token_prompts((37, 37), seed=34))  # two: decode caches the first
+    failed, received = tracker.num_failed_loads, tracker.num_received_tokens
+    for prompts, counts in ((broken, (1, 0)), (again, (1, 36))):
+        expected = tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))
+        assert tokens(p2p_prefill_then_decode(prefill, decode, prompts, GREEDY)) == expected
+        assert (tracker.num_failed_loads - failed, tracker.num_received_tokens - received) == counts
+    assert consumer._pairs and next(iter(consumer._pairs.values())) is not pair
+    assert_pool_empty(prefill, decode)
+
+
+def test_p2p_gone_producer_is_recomputed(engines: dict[str, LLM], llama_path: Path) -> None:
+    """A producer whose channel shut after its prefill: the decode worker's pairing times out and it recomputes; the
+    producer's held blocks time out too."""
+    producer = LLM(model=str(llama_path), kv_role="kv_producer", **P2P, **ENGINE)
+    try:
+        decode = engines["decode"]
+        prompts = token_prompts((26,), seed=35)
+        transfers = prefill_held(producer, prompts)
+        worker_connector(producer).shutdown()
+        tracker = scheduler_of(decode).kv_transfers
+        assert tracker is not None
+        failed = tracker.num_failed_loads
+        with_transfer = [replace(GREEDY, extra_args={"kv_transfer_params": transfer}) for transfer in transfers]
+        outputs = decode.generate(prompts, with_transfer, use_tqdm=False)
+        assert tokens(outputs) == tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))
+        assert tracker.num_failed_loads - failed == 1
+        finish(producer)
+        assert_pool_empty(producer, decode)
+    finally:
+        producer.shutdown()
+
+
+def test_kv_transport_is_checked_and_reaches_serve_pd() -> None:
+    for wrong in ({}, {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}):
+        with pytest.raises(ValueError, match="kv_transport"):
+            KVTransferConfig(kv_transport="p2p", **wrong)
+    args = {"prefill_config": {"config": "raylm/configs/tiny.yaml", "kv_transport": "p2p"}}
+    assert pd_engine_config(args, "prefill_config").kv_transfer_config.kv_transport == "p2p"
+
+
+def test_p2p_dead_producer_is_recomputed(engines: dict[str, LLM], llama_path: Path) -> None:
+    """A prefill worker in a process of its own (a Ray actor) sends across processes; once killed after a prefill, the
+    decode worker cannot reach it and recomputes, leaving its pool whole."""
+    producer = LLM(model=str(llama_path), kv_role="kv_producer", distributed_executor_backend="ray", **P2P, **ENGINE)
+    try:
+        decode = engines["decode"]
+        tracker = scheduler_of(decode).kv_transfers
+        assert tracker is not None
+        sent, prompts = ([prompt] for prompt in token_prompts((40, 29), seed=37))
+        failed, received = tracker.num_failed_loads, tracker.num_received_tokens
+        expected = tokens(engines["colocated"].generate(sent, GREEDY, use_tqdm=False))
+        assert tokens(p2p_prefill_then_decode(producer, decode, sent, GREEDY)) == expected
+        assert (tracker.num_failed_loads - failed, tracker.num_received_tokens - received) == (0, 39)
+        assert_pool_empty(producer)
+        transfers = prefill_held(producer, prompts)
+        [worker] = producer.llm_engine.engine_core.executor.workers
+        ray.kill(worker)
+        with_transfer = [replace(GREEDY, extra_args={"kv_transfer_params": transfer}) for transfer in transfers]
+        outputs = decode.generate(prompts, with_transfer, use_tqdm=False)
+        assert tokens(outputs) == tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))
+        assert tracker.num_failed_loads - failed == 1
+        assert_pool_empty(decode)
+    finally:
+        producer.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: NCCL pairs no two ranks on one")
+def test_p2p_on_cuda_equals_colocated(ray_cluster: Any, llama_path: Path) -> None:
+    """The same hand-over over NCCL, device to device: each engine's worker a Ray actor on a GPU of its own."""
+    cuda = dict(ENGINE, device="cuda", dtype="float32", distributed_executor_backend="ray")
+    model = str(llama_path)
+    colocated = LLM(model=model, **cuda)
+    prefill = LLM(model=model, kv_role="kv_producer", **P2P, **cuda)
+    decode = LLM(model=model, kv_role="kv_consumer", **P2P, **cuda)
+    try:
+        prompts = token_prompts((5, 17, 64, 100), seed=36)
+        tracker = scheduler_of(decode).kv_transfers
+        assert tracker is not None
+        for params in (GREEDY, SEEDED):
+            expected = tokens(colocated.generate(prompts, params, use_tqdm=False))
+            assert tokens(p2p_prefill_then_decode(prefill, decode, prompts, params)) == expected
+        assert tracker.num_failed_loads == 0
+        assert_pool_empty(prefill, decode)
+    finally:
+        for llm in (colocated, prefill, decode):
+            llm.shutdown()
