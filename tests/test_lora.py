@@ -16,6 +16,7 @@ import torch
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.common.lora_request import LoRARequest
+from raylm.runner import cpu_kernels
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.lora.punica import PunicaWrapper, SlotWeights
 from raylm.runner.lora.worker_manager import LoRAManager
@@ -76,7 +77,8 @@ def lora_managers(llm: LLM) -> list[LoRAManager]:
     dict(max_loras=3),  # the base model and all three adapters in one batch
     dict(max_loras=3, num_gpu_blocks_override=14),  # a KV pool too small for the batch: preemption
     dict(max_loras=1, max_cpu_loras=2),  # one device slot: the scheduler defers the other adapters
-], ids=["mixed", "preemption", "one-slot"])
+    dict(max_loras=3, custom_ops="none"),  # torch's products instead of the fused CPU kernel
+], ids=["mixed", "preemption", "one-slot", "torch-products"])
 def test_mixed_batch_matches_peft(llama_path: Path, lora_requests: list[LoRARequest | None], reference: Result,
                                   settings: dict[str, Any]) -> None:
     llm = LLM(model=str(llama_path), **ENGINE, **settings)
@@ -86,6 +88,7 @@ def test_mixed_batch_matches_peft(llama_path: Path, lora_requests: list[LoRARequ
     if "num_gpu_blocks_override" in settings:
         assert scheduler.num_preemptions > 0
     (manager,) = lora_managers(llm)
+    assert (manager.punica.kernels is None) == (settings.get("custom_ops") == "none" or cpu_kernels.load() is None)
     assert manager.slot_ids.count(None) + len([i for i in manager.slot_ids if i is not None]) == settings["max_loras"]
     llm.shutdown()
 
@@ -231,15 +234,28 @@ def plan(punica: PunicaWrapper) -> tuple[bool, str]:
     return bool(punica.runs), grouped if punica.num_grouped else "none"
 
 
+# (rank, in_features, output slice sizes): odd sizes (the fused kernel's scalar tails only), and sizes with 16-float
+# vectors and tails both.
+PRODUCT_SHAPES = {"small": (4, 5, (3, 6)), "vectors": (16, 40, (32, 20))}
+
+
+@pytest.mark.parametrize("path", ["torch", "cpu-kernel"])
+@pytest.mark.parametrize("shape", PRODUCT_SHAPES.values(), ids=PRODUCT_SHAPES.keys())
 @pytest.mark.parametrize("slots,layout", PRODUCT_CASES.values(), ids=PRODUCT_CASES.keys())
-def test_lora_product_matches_the_loop_over_tokens(slots: list[int], layout: tuple[bool, str]) -> None:
-    """The product equals x @ A[slot].T @ B[slot].T token by token, per output slice, whichever plan the step takes;
-    base-model tokens and the forward's padding rows are left exactly as they were."""
+def test_lora_product_matches_the_loop_over_tokens(slots: list[int], layout: tuple[bool, str],
+                                                   shape: tuple[int, int, tuple[int, ...]], path: str) -> None:
+    """The product equals x @ A[slot].T @ B[slot].T token by token, per output slice, whichever plan the step takes
+    (torch's products) or with the fused CPU kernel; base-model tokens and the forward's padding rows are left exactly
+    as they were."""
     torch.manual_seed(0)
-    max_loras, rank, in_features, sizes = 4, 4, 5, (3, 6)  # two output slices (q and kv, say)
-    punica = PunicaWrapper(64, max_loras, torch.device("cpu"))
+    kernels = cpu_kernels.load() if path == "cpu-kernel" else None
+    if path == "cpu-kernel" and kernels is None:
+        pytest.skip("raylm's CPU kernels could not be built here")
+    max_loras, (rank, in_features, sizes) = 4, shape  # two output slices (q and kv, say)
+    punica = PunicaWrapper(128, max_loras, torch.device("cpu"), kernels)
     punica.update(np.array(slots))
-    assert plan(punica) == layout
+    if kernels is None:
+        assert plan(punica) == layout
     # Per slot and slice, ranks 4 and 3 (a rank below max_lora_rank leaves zero rows), laid out as LoRASlots does.
     a = [[torch.randn(rank - i, in_features) for i in range(len(sizes))] for _ in range(max_loras)]
     b = [[torch.randn(size, rank - i) for i, size in enumerate(sizes)] for _ in range(max_loras)]
@@ -258,7 +274,7 @@ def test_lora_product_matches_the_loop_over_tokens(slots: list[int], layout: tup
     for t, slot in enumerate(slots):
         if slot >= 0:
             expected[t] += torch.cat([x[t] @ a[slot][i].T @ b[slot][i].T for i in range(len(sizes))])
-    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)  # fp32 sums in another order
     untouched = [t for t, slot in enumerate(slots) if slot < 0] + list(range(len(slots), len(slots) + padding))
     assert torch.equal(out[untouched], y[untouched])
 

@@ -111,6 +111,11 @@ def _import(name: str, library: Path) -> ModuleType:
 
 def ops_for(x: torch.Tensor) -> ModuleType | None:
     """The kernels when they apply to `x` (a float32 CPU tensor, kernels enabled and built), else None."""
-    if not _enabled or x.device.type != "cpu" or x.dtype != torch.float32:
+    return ops_for_kind(x.device, x.dtype)
+
+
+def ops_for_kind(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The kernels when they apply to tensors of this device and dtype (float32 on the CPU), else None."""
+    if not _enabled or device.type != "cpu" or dtype != torch.float32:
         return None
     return load()

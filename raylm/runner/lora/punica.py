@@ -18,11 +18,17 @@ on the 5m model with 8 adapters of rank 16 cost about as much as the base linear
     adapter beside a few of others), where padding every slot to the longest would cost more than the extra ops.
   When the grouped tokens are the step's first tokens and already in slot order, the gather and index_add are skipped.
 
+With raylm's CPU kernels (float32 on a CPU) none of that: the step's LoRA tokens sorted by slot go to one fused
+kernel call per linear (runner/csrc/lora_ops.h), which reads each slot's weights once per few tokens and adds straight
+into y's rows.
+
 Base-model tokens are in neither, so their rows of y are left exactly as the base layer wrote them. Nothing here is
 sized by an adapter: the index buffers are preallocated for max_num_tokens and the slots are fixed; the products'
 temporaries follow the step's token counts, as any layer's activations do.
 """
 from __future__ import annotations
+
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -51,6 +57,7 @@ class SlotWeights:
         self.shrunk_cols = [slice(i * rank, (i + 1) * rank) for i in range(len(output_slices))]
         self.out_cols = [slice(offset, offset + size) for offset, size in output_slices]
         self.b_slices = [lora_b[:, :, cols] for cols in self.out_cols]
+        self.slice_bounds = [offset for offset, _ in output_slices] + [sum(size for _, size in output_slices)]
         self.a_t_of = list(lora_a_t)
         self.b_slices_of = [[b[slot] for b in self.b_slices] for slot in range(self.max_loras)]
 
@@ -64,13 +71,17 @@ class SlotWeights:
 class PunicaWrapper:
     """The step's plan: which tokens use which adapter slot, as every LoRA layer reads it (vLLM's PunicaWrapper)."""
 
-    def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device) -> None:
-        self.max_loras = max_loras
+    def __init__(self, max_num_tokens: int, max_loras: int, device: torch.device,
+                 kernels: ModuleType | None = None) -> None:
+        """kernels: raylm's CPU kernels where they apply to the LoRA weights (cpu_kernels.ops_for_kind), else the
+        torch products."""
+        self.max_loras, self.kernels = max_loras, kernels
         pin = device.type == "cuda"
         # gather[row]: the token whose x fills that row of the grouped layout (padding rows: token 0).
-        # tokens[i], positions[i]: the i-th grouped token and its row in the layout.
+        # tokens[i], positions[i]: the i-th grouped token and its row in the layout (kernels: tokens[i], slots[i]:
+        # the i-th LoRA token by slot, and its slot).
         sizes = {"gather": max_num_tokens + PAD_ROWS_PER_SLOT * max_loras, "tokens": max_num_tokens,
-                 "positions": max_num_tokens}
+                 "positions": max_num_tokens, "slots": max_num_tokens}
         self._host = {name: torch.zeros(size, dtype=torch.int64, pin_memory=pin) for name, size in sizes.items()}
         self._host_np = {name: tensor.numpy() for name, tensor in self._host.items()}
         self._device = self._host if device.type == "cpu" else {
@@ -89,6 +100,9 @@ class PunicaWrapper:
         lora = token_slots >= 0
         self.has_lora = bool(lora.any())
         if not self.has_lora:
+            return
+        if self.kernels is not None:
+            self._sort_for_kernel(token_slots, lora)
             return
         # Maximal runs of one slot; the long ones with an adapter are computed in place.
         starts = np.flatnonzero(np.diff(token_slots, prepend=-2))
@@ -131,11 +145,22 @@ class PunicaWrapper:
             for name, tensor in self._step.items():
                 tensor.copy_(self._host[name][:len(tensor)], non_blocking=True)
 
+    def _sort_for_kernel(self, token_slots: np.ndarray, lora: np.ndarray) -> None:
+        tokens = np.flatnonzero(lora)
+        tokens = tokens[np.argsort(token_slots[tokens], kind="stable")]
+        num = len(tokens)
+        self._host_np["tokens"][:num], self._host_np["slots"][:num] = tokens, token_slots[tokens]
+        self._step = {"tokens": self._host["tokens"][:num], "slots": self._host["slots"][:num]}
+
     def clear(self) -> None:
         self.has_lora = False
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, weights: SlotWeights) -> None:
         """y[t] += x[t] @ lora_a[slot].T @ lora_b[slot].T, per output slice, for each token t with an adapter slot."""
+        if self.kernels is not None:
+            self.kernels.add_lora(y, x, self._step["tokens"], self._step["slots"], weights.lora_a_t, weights.lora_b,
+                                  weights.slice_bounds)
+            return
         for slot, start, end in self.runs:
             shrunk = torch.mm(x[start:end], weights.a_t_of[slot])
             y_run = y[start:end]

@@ -17,6 +17,7 @@ from torch import nn
 
 from raylm.common.lora_request import LoRARequest
 from raylm.configs.engine_config import LoRAConfig
+from raylm.runner import cpu_kernels
 from raylm.runner.layers.linear import LinearBase
 from raylm.runner.lora.layers import LoRASlots
 from raylm.runner.lora.peft_checkpoint import LoRAModel, load_lora_model
@@ -32,7 +33,7 @@ class LoRAManager:
         self.max_loras, self.max_rank = lora_config.max_loras, lora_config.max_lora_rank
         self.max_cpu_loras, self.dtype = lora_config.max_cpu_loras, dtype
         self.hf_config = model.config
-        self.punica = PunicaWrapper(max_num_tokens, self.max_loras, device)
+        self.punica = PunicaWrapper(max_num_tokens, self.max_loras, device, cpu_kernels.ops_for_kind(device, dtype))
         # PEFT module kind -> (raylm module kind, slice): q/k/v fill qkv_proj's slices, gate/up gate_up_proj's.
         self.packed: dict[str, tuple[str, int]] = {}
         for packed_name, parts in getattr(model, "packed_modules_mapping", {}).items():
