@@ -10,6 +10,8 @@ worker takes them, and LLM.generate waits for that too, so a caller that goes on
 generate returns would find the blocks timed out. Serve's replicas (AsyncLLM) keep stepping and need no such care."""
 from __future__ import annotations
 
+import os
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -52,6 +54,18 @@ def prefill_held(prefill: LLM, prompts: list[Any]) -> list[dict[str, Any]]:
     assert all(params is not None and "remote_port" in params and "remote_store" not in params
                for params in transfers)
     return transfers  # type: ignore[return-value]
+
+
+def wait_until_gone(pid: int) -> None:
+    """ray.kill returns, and the actor reads as dead, before its process (serving its channel) has exited."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the killed worker's process {pid} is still running")
 
 
 def finish(prefill: LLM) -> None:
@@ -202,7 +216,9 @@ def test_p2p_dead_producer_is_recomputed(engines: dict[str, LLM], llama_path: Pa
         assert_pool_empty(producer)
         transfers = prefill_held(producer, prompts)
         [worker] = producer.llm_engine.engine_core.executor.workers
+        [pid] = producer.collective_rpc(lambda _: os.getpid())
         ray.kill(worker)
+        wait_until_gone(pid)
         with_transfer = [replace(GREEDY, extra_args={"kv_transfer_params": transfer}) for transfer in transfers]
         outputs = decode.generate(prompts, with_transfer, use_tqdm=False)
         assert tokens(outputs) == tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))

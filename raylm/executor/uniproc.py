@@ -44,6 +44,7 @@ class UniProcExecutor(Executor):
     def shutdown(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
+        self.worker.shutdown()
         self.worker.model_runner = None
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:

@@ -137,6 +137,12 @@ class Worker:
         connector = self._runner().kv_connector
         return None if connector is None else connector.get_handshake_metadata()
 
+    def shutdown(self) -> None:
+        """Stop the KV connector's background work (its threads; a p2p channel's store server and listener), which
+        would otherwise outlive an engine shut down in a process that goes on."""
+        if self.model_runner is not None and self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.shutdown()
+
     def compile_or_warm_up_model(self) -> None:
         """Capture the CUDA graphs (CUDA only; on CPU every forward runs eagerly), logging time and memory."""
         runner = self._runner()
