@@ -234,9 +234,9 @@ def plan(punica: PunicaWrapper) -> tuple[bool, str]:
     return bool(punica.runs), grouped if punica.num_grouped else "none"
 
 
-# (rank, in_features, output slice sizes): odd sizes (the fused kernel's scalar tails only), and sizes with 16-float
-# vectors and tails both.
-PRODUCT_SHAPES = {"small": (4, 5, (3, 6)), "vectors": (16, 40, (32, 20))}
+# (rank, in_features, output slice sizes) for the fused kernel's column loops: under 16 columns in all (tails only),
+# whole 16-float vectors, and 24 shrunk columns (a last vector overlapping the one before) with 40-column slices.
+PRODUCT_SHAPES = {"small": (4, 5, (3, 6)), "vectors": (16, 40, (32, 20)), "overlap": (12, 40, (24, 40))}
 
 
 @pytest.mark.parametrize("path", ["torch", "cpu-kernel"])
