@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
+from raylm.runner import cpu_kernels
 from raylm.runner.layers import cpu_gemm
-from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, CpuGemmMixin, GemmPlan, plan_linears
+from raylm.runner.layers.cpu_gemm import KERNELS, ROW_BUCKETS, CpuGemmMixin, GemmPlan, plan_linears
 from raylm.runner.layers.linear import LinearBase
 from raylm.runner.models.loader import load_model
 from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
@@ -32,13 +33,14 @@ def gemm_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_rows_map_to_the_first_bucket_at_or_above() -> None:
-    plan = GemmPlan(tuple(i % 2 == 1 for i in range(len(ROW_BUCKETS))))  # 1: no, 2: yes, 4: no, ...
+    plan = GemmPlan(tuple("onednn" if i % 2 else "sgemm" for i in range(len(ROW_BUCKETS))))  # 1: sgemm, 2: onednn
     expected = {1: 0, 2: 1, 3: 2, 4: 2, 5: 3, 8: 3, 9: 4, 64: 6, 65: 7, 512: 9, 513: 10, 1024: 10, 100_000: 10}
     for rows, bucket in expected.items():
-        assert plan.onednn_for(rows) == (bucket % 2 == 1), rows
-    assert GemmPlan((False, False, False, True, True)).describe() == "sgemm up to 4 rows, then onednn"
-    assert GemmPlan((True, False, True)).describe() == "onednn up to 1 row, then sgemm up to 2 rows, then onednn"
-    assert GemmPlan((True,) * 11).describe() == "onednn"
+        assert plan.kernel_for(rows) == ("onednn" if bucket % 2 else "sgemm"), rows
+    assert GemmPlan(("sgemm",) * 3 + ("onednn",) * 2).describe() == "sgemm up to 4 rows, then onednn"
+    assert (GemmPlan(("skinny", "sgemm", "onednn")).describe()
+            == "skinny up to 1 row, then sgemm up to 2 rows, then onednn")
+    assert GemmPlan(("onednn",) * 11).describe() == "onednn"
 
 
 def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm_cache: Path,
@@ -67,26 +69,47 @@ def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm
     assert all(plans[tuple(m.weight.shape)] == m.gemm_plan for m in again.modules() if isinstance(m, CpuGemmMixin))
 
 
-@pytest.mark.parametrize("use_onednn", [True, False])
-def test_both_kernels_compute_the_linear(use_onednn: bool, gemm_cache: Path) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_kernel_computes_the_linear(kernel: str, gemm_cache: Path) -> None:
+    """Each kernel alone gives F.linear's result, at row counts inside and past the skinny kernel's register block
+    (8 rows with AVX-512, 4 with AVX2) and past a bucket; a plan keeps only the packed copies it uses."""
+    if kernel == "skinny" and cpu_kernels.load() is None:
+        pytest.skip("raylm's CPU kernels could not be built here")
     torch.manual_seed(0)
-    layer = LinearBase(96, 80, bias=True)
+    layer = LinearBase(96, 80, bias=True)  # 80 outputs: two and a half 32-wide panels
     layer.weight.data.normal_()
     layer.bias.data.normal_()
     layer.process_weights_after_loading()
-    assert layer.packed_weight is not None
-    layer.gemm_plan = GemmPlan((use_onednn,) * len(ROW_BUCKETS))
+    assert layer.packed_weight is not None and layer.skinny_weight is None
+    layer.gemm_plan = GemmPlan((kernel,) * len(ROW_BUCKETS))
     layer.process_weights_after_loading()  # what plan_linears and sleep mode's wake-up do
-    assert (layer.packed_weight is not None) == use_onednn, "a plan without oneDNN keeps no packed copy"
-    for rows in (1, 3, 17, 300):
+    assert (layer.packed_weight is not None) == (kernel == "onednn"), "a plan without oneDNN keeps no packed copy"
+    assert (layer.skinny_weight is not None) == (kernel == "skinny")
+    for rows in (1, 3, 5, 8, 13, 17, 300):
         x = torch.randn(rows, 96)
-        torch.testing.assert_close(layer.matmul(x, layer.bias), F.linear(x, layer.weight, layer.bias),
-                                   rtol=1e-5, atol=1e-5)
+        for bias in (layer.bias, None):
+            torch.testing.assert_close(layer.matmul(x, bias), F.linear(x, layer.weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_skinny_is_timed_only_with_the_cpu_kernels(gemm_cache: Path) -> None:
+    """custom_ops="none" (kernels off) plans sgemm and oneDNN only; with the kernels, skinny is timed up to 16 rows."""
+    layers = [LinearBase(64, 48, bias=False) for _ in range(2)]
+    for layer in layers:
+        layer.process_weights_after_loading()
+    cpu_kernels.set_enabled(False)
+    try:
+        plan, figures = cpu_gemm.time_kernels(layers)
+    finally:
+        cpu_kernels.set_enabled(True)
+    assert "skinny" not in plan.kernels and "skinny" not in figures
+    if cpu_kernels.load() is not None:
+        plan, figures = cpu_gemm.time_kernels(layers)
+        assert len(figures["skinny"]) == ROW_BUCKETS.index(16) + 1
 
 
 def test_a_shape_whose_plan_never_uses_onednn_drops_its_packed_copy(gemm_cache: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_gemm, "time_kernels", lambda layers: (GemmPlan((False,) * len(ROW_BUCKETS)), {}))
+    monkeypatch.setattr(cpu_gemm, "time_kernels", lambda layers: (GemmPlan(("sgemm",) * len(ROW_BUCKETS)), {}))
     model = torch.nn.Sequential(LinearBase(32, 48, bias=False), LinearBase(32, 48, bias=False))
     for layer in model:
         layer.process_weights_after_loading()

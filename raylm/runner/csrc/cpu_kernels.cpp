@@ -1,11 +1,12 @@
 // Fused float32 CPU kernels for the decoder's memory-bound steps: RMSNorm (with the residual add),
 // SiLU-and-mul, neox rotary (layer_ops.h), the KV cache write and paged attention (paged_attention.h), and the
-// batched LoRA product (lora_ops.h).
+// batched LoRA product (lora_ops.h), and the few-row linear (skinny_gemm.h).
 // Plain loops written for the compiler to vectorize (-O3 -march=native); threads come from ATen's
 // pool, so torch.set_num_threads governs them as it does every other op.
 #include "layer_ops.h"
 #include "lora_ops.h"
 #include "paged_attention.h"
+#include "skinny_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &raylm::rms_norm);
@@ -15,4 +16,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &raylm::write_kv);
   m.def("paged_attention", &raylm::paged_attention);
   m.def("add_lora", &raylm::add_lora);
+  m.def("pack_skinny", &raylm::pack_skinny);
+  m.def("skinny_linear", &raylm::skinny_linear);
 }

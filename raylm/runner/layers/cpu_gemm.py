@@ -1,13 +1,16 @@
 """Linear layers on CPU: for each weight shape and batch size, the kernel that measured fastest on this machine.
 
-Two kernels compute y = x W^T (+ b) in float32 accuracy: `sgemm`, torch's F.linear on the weight as stored (MKL's
-or OpenBLAS's sgemm), and `onednn`, oneDNN's matmul on a copy of the weight reordered once into its blocked layout.
+Three kernels compute y = x W^T (+ b) in float32 accuracy: `sgemm`, torch's F.linear on the weight as stored (MKL's
+or OpenBLAS's sgemm); `onednn`, oneDNN's matmul on a copy of the weight reordered once into its blocked layout; and,
+for float32 batches of up to 16 rows with raylm's CPU kernels, `skinny` (runner/csrc/skinny_gemm.h) on a copy packed
+into panels that stream from memory in one run, each load feeding every row: on a 2-core EPYC it read the weights of
+SmolLM2's shapes at 1.3-1.9x oneDNN's rate from 1 to 8 rows.
 oneDNN packs bfloat16 weights only on CPUs with the instructions its bf16 kernels need (AVX-512 BW/VL/DQ or
 AVX-NE-CONVERT; torch asks oneDNN); elsewhere a bfloat16 layer keeps a float32 copy of its weight, upcast once, and
 runs `sgemm_fp32` (x upcast, sgemm, the result cast back), 3-5x torch's own bfloat16 linear on an AVX2-only CPU.
 Which one wins depends on the CPU, the shape and the rows of the batch: on one 2-core EPYC oneDNN ran 1.5-3x sgemm
 from 8 rows on the 107M model's shapes, yet lost to it by 2x on a 256 x 256 weight below 32 rows. So after loading,
-`plan_linears` gives every weight shape of the model a GemmPlan, one kernel per row bucket, by timing both kernels
+`plan_linears` gives every weight shape of the model a GemmPlan, one kernel per row bucket, by timing the kernels
 with the threads the worker runs with. Small batches are timed over as many of the shape's layers as it takes to
 outgrow the CPU's caches, since a decode step streams each weight from memory once: timed on one cache-resident
 weight, sgemm at one row looked as fast as oneDNN, yet ran at half its speed from memory. Plans are kept in the
@@ -23,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +34,7 @@ from torch import nn
 
 from raylm.common.logger import show_info
 from raylm.configs.cache import build_once, cache_path, content_key
+from raylm.runner import cpu_kernels
 from raylm.runner.cpu_kernels import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -48,19 +53,25 @@ _COLD_BYTES = 96 * 2**20
 Shape = tuple[int, int, bool]  # (out_features, in_features, has_bias)
 
 
+KERNELS = ("sgemm", "onednn", "skinny")
+
+
 @dataclass(frozen=True)
 class GemmPlan:
-    """The kernel per row bucket of one weight shape: True where `onednn` runs."""
+    """The kernel per row bucket of one weight shape, one of KERNELS."""
 
-    use_onednn: tuple[bool, ...]  # one entry per ROW_BUCKETS
+    kernels: tuple[str, ...]  # one entry per ROW_BUCKETS
 
-    def onednn_for(self, rows: int) -> bool:
+    def __post_init__(self) -> None:
+        assert set(self.kernels) <= set(KERNELS), self.kernels
+
+    def kernel_for(self, rows: int) -> str:
         # Bucket i holds the rows in (2**(i-1), 2**i].
-        return self.use_onednn[min((max(rows, 1) - 1).bit_length(), len(self.use_onednn) - 1)]
+        return self.kernels[min((max(rows, 1) - 1).bit_length(), len(self.kernels) - 1)]
 
     def describe(self) -> str:
-        """E.g. "sgemm up to 16 rows, then onednn"."""
-        names = ["onednn" if onednn else "sgemm" for onednn in self.use_onednn]
+        """E.g. "skinny up to 8 rows, then sgemm up to 16 rows, then onednn"."""
+        names = self.kernels
         parts = [names[0]]
         for i in range(1, len(names)):
             if names[i] != names[i - 1]:
@@ -75,20 +86,26 @@ class CpuGemmMixin:
     weight: torch.Tensor
     bias: torch.Tensor | None
     packed_weight: torch.Tensor | None = None  # oneDNN's copy, where the plan uses it
+    skinny_weight: torch.Tensor | None = None  # the skinny kernel's panels, where the plan uses it
     gemm_plan: GemmPlan | None = None  # None until planned: onednn wherever a packed copy exists
     upcast_weight: torch.Tensor | None = None  # float32 copy of a bfloat16 weight oneDNN cannot pack here
     upcast_bias: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Pack the weight for oneDNN (again after sleep mode's wake-up), unless its plan never uses oneDNN; or
-        upcast a bfloat16 weight once where oneDNN cannot pack it."""
+        """Pack the weight for oneDNN (again after sleep mode's wake-up), unless its plan never uses oneDNN, and for
+        the skinny kernel where its plan uses it; or upcast a bfloat16 weight once where oneDNN cannot pack it."""
         on_cpu = self.weight.device.type == "cpu"
         if on_cpu and self.weight.dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16):
             self.upcast_weight = self.weight.detach().float()
             self.upcast_bias = None if self.bias is None else self.bias.detach().float()
             return
-        wanted = self.gemm_plan is None or any(self.gemm_plan.use_onednn)
+        plan = self.gemm_plan
+        wanted = plan is None or "onednn" in plan.kernels
         self.packed_weight = pack_weight(self.weight) if wanted and on_cpu and onednn_packs(self.weight.dtype) else None
+        ops = skinny_ops(self.weight)
+        self.skinny_weight = None
+        if plan is not None and "skinny" in plan.kernels and ops is not None:
+            self.skinny_weight = ops.pack_skinny(self.weight.detach().contiguous())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T + bias, by the plan's kernel for x's rows; F.linear where nothing was packed (on a GPU: cuBLAS)."""
@@ -96,9 +113,14 @@ class CpuGemmMixin:
             assert bias is None or bias is self.bias, "the upcast path adds the layer's own bias or none"
             return F.linear(x.float(), self.upcast_weight, None if bias is None else self.upcast_bias).to(x.dtype)
         packed, plan = self.packed_weight, self.gemm_plan
-        if packed is None or (plan is not None and not plan.onednn_for(x.shape[0])):
-            return F.linear(x, self.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        kernel = ("onednn" if packed is not None else "sgemm") if plan is None else plan.kernel_for(x.shape[0])
+        if kernel == "skinny" and self.skinny_weight is not None and x.dim() == 2 and x.stride(-1) == 1:
+            ops = cpu_kernels.load()
+            assert ops is not None, "a skinny copy exists only where the kernels were built"
+            return ops.skinny_linear(x, self.skinny_weight, self.weight.shape[0], bias)
+        if kernel == "onednn" and packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
     def kernel_name(self) -> str:
         """The kernel this layer runs on CPU, for the start-up line."""
@@ -115,6 +137,11 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float32
+
+
+def skinny_ops(weight: torch.Tensor) -> ModuleType | None:
+    """raylm's CPU kernels where the skinny kernel applies to this weight (float32 on a CPU, kernels on), else None."""
+    return cpu_kernels.ops_for_kind(weight.device, weight.dtype)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -138,9 +165,10 @@ def plan_linears(model: nn.Module) -> None:
         return
     dtype, threads = next(iter(layers.values()))[0].weight.dtype, torch.get_num_threads()
     shapes = sorted(layers)
+    with_skinny = skinny_ops(next(iter(layers.values()))[0].weight) is not None
     key = content_key("gemm_plans", repr(shapes), str(dtype), str(threads), cpu_flags(), torch.__version__,
-                      repr(ROW_BUCKETS), f"cold {_COLD_MAX_ROWS} rows {_COLD_BYTES}",
-                      sys.implementation.cache_tag)
+                      repr(ROW_BUCKETS), f"cold {_COLD_MAX_ROWS} rows {_COLD_BYTES}", f"kernels {KERNELS}",
+                      f"skinny {with_skinny}", sys.implementation.cache_tag)
     folder = cache_path("gemm_plans", key)
 
     def time_into(tmp: Path) -> dict[Shape, GemmPlan]:
@@ -149,14 +177,14 @@ def plan_linears(model: nn.Module) -> None:
             plans[shape], figures[f"{shape[0]}x{shape[1]}"] = time_kernels(layers[shape])
         (tmp / "plans.json").write_text(json.dumps({
             "dtype": str(dtype), "threads": threads, "row_buckets": ROW_BUCKETS, "gflops": figures,
-            "plans": [[*shape, plans[shape].use_onednn] for shape in shapes]}))
+            "plans": [[*shape, plans[shape].kernels] for shape in shapes]}))
         return plans
 
     plans = build_once(folder, time_into, f"raylm: timing the CPU linear kernels for {len(shapes)} weight shapes "
                                           f"({threads} threads; once per machine, a few seconds)...")
     if plans is None:
         saved = json.loads((folder / "plans.json").read_text())["plans"]
-        plans = {(out_f, in_f, bias): GemmPlan(tuple(onednn)) for out_f, in_f, bias, onednn in saved}
+        plans = {(out_f, in_f, bias): GemmPlan(tuple(kernels)) for out_f, in_f, bias, kernels in saved}
     for shape, modules in layers.items():
         for module in modules:
             module.gemm_plan = plans[shape]
@@ -175,40 +203,48 @@ def _why_not_onednn(model: nn.Module) -> str:
 
 
 def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[float]]]:
-    """Times both kernels on the layers' weights (all of one shape) at every row bucket, their calls interleaved
-    (best of _TIMED_ROUNDS each); returns the plan and the GFLOP/s of each kernel per bucket timed."""
+    """Times the kernels on the layers' weights (all of one shape) at every row bucket, their calls interleaved
+    (best of _TIMED_ROUNDS each; skinny up to _COLD_MAX_ROWS rows, where it applies); returns the plan and the
+    GFLOP/s of each kernel per bucket timed."""
     out_features, in_features = layers[0].weight.shape
     bias = None if layers[0].bias is None else torch.zeros_like(layers[0].bias)
     weight_bytes = layers[0].weight.numel() * layers[0].weight.element_size()
     num_cold = min(len(layers), -(-_COLD_BYTES // weight_bytes))
-    choices: list[bool] = []
-    figures: dict[str, list[float]] = {"sgemm": [], "onednn": []}
+    choices: list[str] = []
+    figures: dict[str, list[float]] = {name: [] for name in KERNELS}
     for rows in ROW_BUCKETS:
         flops = 2.0 * rows * out_features * in_features
         if choices and flops > _MAX_TIMED_FLOPS:
             choices.append(choices[-1])
             continue
         timed = layers[:num_cold] if rows <= _COLD_MAX_ROWS else layers[:1]
-        best = _best_seconds(torch.randn(rows, in_features, dtype=layers[0].weight.dtype), timed, bias)
+        best = _best_seconds(torch.randn(rows, in_features, dtype=layers[0].weight.dtype), timed, bias,
+                             with_skinny=rows <= _COLD_MAX_ROWS)
         for name, seconds in best.items():
             figures[name].append(round(flops / seconds / 1e9, 1))
-        choices.append(best["onednn"] < best["sgemm"])
-    return GemmPlan(tuple(choices)), figures
+        choices.append(min(best, key=best.__getitem__))
+    return GemmPlan(tuple(choices)), {name: rates for name, rates in figures.items() if rates}
 
 
-def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tensor | None) -> dict[str, float]:
+def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tensor | None,
+                  with_skinny: bool) -> dict[str, float]:
     """Seconds per call of each kernel, over the layers' weights in turn."""
-    weights = [(layer.weight, layer.packed_weight) for layer in layers]
-    calls: dict[str, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
-        "sgemm": lambda weight, packed: F.linear(x, weight, bias),
-        "onednn": lambda weight, packed: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
+    ops = skinny_ops(layers[0].weight) if with_skinny else None
+    out_features = layers[0].weight.shape[0]
+    weights = [(layer.weight, layer.packed_weight, None if ops is None else ops.pack_skinny(layer.weight.detach()))
+               for layer in layers]
+    calls: dict[str, Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]] = {
+        "sgemm": lambda weight, packed, skinny: F.linear(x, weight, bias),
+        "onednn": lambda weight, packed, skinny: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
     }
+    if ops is not None:
+        calls["skinny"] = lambda weight, packed, skinny: ops.skinny_linear(x, skinny, out_features, bias)
     best = {name: float("inf") for name in calls}
     for round_index in range(_TIMED_ROUNDS + 1):
         for name, call in calls.items():
             start = time.perf_counter()
-            for weight, packed in weights:
-                call(weight, packed)
+            for weight, packed, skinny in weights:
+                call(weight, packed, skinny)
             if round_index:  # round 0 warms up: oneDNN creates its primitive, the caches fill
                 best[name] = min(best[name], (time.perf_counter() - start) / len(weights))
     return best
