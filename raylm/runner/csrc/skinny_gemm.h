@@ -1,7 +1,7 @@
 // y = x W^T (+ bias) for the few rows of a decode step, where a linear layer is bound by reading its weight from
 // memory: the weight is packed once into panels of kPanel outputs, [panels, in, kPanel], so that a panel streams
-// from memory in one sequential run, and each of its vector loads feeds every row's multiply-add (oneDNN and sgemm
-// read the weight at 16-20 GB/s on a 2-core EPYC at 1-8 rows; this kernel at 18-27 GB/s).
+// from memory in one sequential run, and each of its vector loads feeds every row's multiply-add (from 1 to 8 rows,
+// over 30 cold layers of SmolLM2's shapes on a 2-core EPYC: oneDNN 16-32 GB/s, this kernel 24-47 GB/s).
 #pragma once
 
 #include "lora_ops.h"
