@@ -94,21 +94,28 @@ def test_disaggregated_equals_colocated(engines: dict[str, LLM], params: Samplin
     assert_pool_empty(engines["prefill"], engines["decode"])
 
 
-def test_decode_side_prefix_hit_loads_only_the_rest(engines: dict[str, LLM]) -> None:
+def check_decode_side_prefix_hit(engines: dict[str, LLM], transfer: Any, seed: int) -> None:
+    """Prompts sharing three blocks the decode engine already caches: `transfer` (prefill, decode, prompts, params ->
+    outputs) moves only the blocks past them, and the tokens are the colocated engine's."""
     decode = engines["decode"]
-    [first] = token_prompts((60,), seed=1)
+    [first] = token_prompts((60,), seed=seed)
     shared = first["prompt_token_ids"][:50]  # three whole blocks and two tokens
-    prompts = [{"prompt_token_ids": shared + tail["prompt_token_ids"]} for tail in token_prompts((23, 9), seed=2)]
+    prompts = [{"prompt_token_ids": shared + tail["prompt_token_ids"]}
+               for tail in token_prompts((23, 9), seed=seed + 1)]
     decode.generate([first], GREEDY, use_tqdm=False)  # decode's own prefix cache now holds its three blocks
     scheduler = scheduler_of(decode)
     assert scheduler.kv_transfers is not None
     hits, received = scheduler.prefix_cache_hits, scheduler.kv_transfers.num_received_tokens
-    outputs = prefill_then_decode(engines["prefill"], decode, prompts, GREEDY)
+    outputs = transfer(engines["prefill"], decode, prompts, GREEDY)
     assert tokens(outputs) == tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))
     assert scheduler.prefix_cache_hits - hits == 2 * 48
     assert scheduler.kv_transfers.num_received_tokens - received == sum(
         len(p["prompt_token_ids"]) - 1 - 48 for p in prompts)
     assert_pool_empty(engines["prefill"], decode)
+
+
+def test_decode_side_prefix_hit_loads_only_the_rest(engines: dict[str, LLM]) -> None:
+    check_decode_side_prefix_hit(engines, prefill_then_decode, seed=1)
 
 
 def test_connector_calls_come_in_vllm_order(engines: dict[str, LLM]) -> None:

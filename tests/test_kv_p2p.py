@@ -33,6 +33,7 @@ from tests.test_kv_connector import (
     PREFILL,
     SEEDED,
     assert_pool_empty,
+    check_decode_side_prefix_hit,
     scheduler_of,
     token_prompts,
     tokens,
@@ -118,20 +119,7 @@ def test_p2p_equals_colocated(engines: dict[str, LLM], params: SamplingParams) -
 
 
 def test_p2p_decode_side_prefix_hit_takes_only_the_rest(engines: dict[str, LLM]) -> None:
-    decode = engines["decode"]
-    [first] = token_prompts((60,), seed=31)
-    shared = first["prompt_token_ids"][:50]  # three whole blocks and two tokens
-    prompts = [{"prompt_token_ids": shared + tail["prompt_token_ids"]} for tail in token_prompts((23, 9), seed=32)]
-    decode.generate([first], GREEDY, use_tqdm=False)
-    scheduler = scheduler_of(decode)
-    assert scheduler.kv_transfers is not None
-    hits, received = scheduler.prefix_cache_hits, scheduler.kv_transfers.num_received_tokens
-    outputs = p2p_prefill_then_decode(engines["prefill"], decode, prompts, GREEDY)
-    assert tokens(outputs) == tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))
-    assert scheduler.prefix_cache_hits - hits == 2 * 48
-    assert scheduler.kv_transfers.num_received_tokens - received == sum(
-        len(p["prompt_token_ids"]) - 1 - 48 for p in prompts)
-    assert_pool_empty(engines["prefill"], decode)
+    check_decode_side_prefix_hit(engines, p2p_prefill_then_decode, seed=31)
 
 
 def test_p2p_transfer_not_held_is_recomputed(engines: dict[str, LLM]) -> None:
