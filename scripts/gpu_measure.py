@@ -18,7 +18,8 @@ from raylm.cluster import LLM
 from raylm.common.sampling_params import SamplingParams
 
 Row = dict[str, Any]
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)  # top-5: where 16-bit runs diverge
+Greedy = tuple[list[int], list[dict[int, float]]]  # one prompt's greedy tokens, and the top-5 logprobs at each
 _ids = itertools.count()
 
 
@@ -63,12 +64,33 @@ def prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[dict
     return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(rng.randint(low, high))]} for _ in range(n)]
 
 
-def greedy_tokens(model: Path, batch: list[dict[str, list[int]]], **settings: Any) -> list[list[int]]:
+def greedy_outputs(llm: LLM, batch: list[dict[str, list[int]]]) -> list[Greedy]:
+    outputs = [out.outputs[0] for out in llm.generate(batch, GREEDY, use_tqdm=False)]
+    return [(list(out.token_ids), out.logprobs or []) for out in outputs]
+
+
+def greedy_tokens(model: Path, batch: list[dict[str, list[int]]], **settings: Any) -> list[Greedy]:
     llm = make_llm(model, **settings)
     try:
-        return [out.outputs[0].token_ids for out in llm.generate(batch, GREEDY, use_tqdm=False)]
+        return greedy_outputs(llm, batch)
     finally:
         close(llm)
+
+
+def compare_greedy(got: list[Greedy], ref: list[Greedy], exact: bool, tie: float = 0.02) -> tuple[str, bool]:
+    """How many prompts' greedy tokens are identical, and whether that passes: all of them, or (exact False, for
+    16-bit runs, whose kernels round differently) the others part at a near-tie: where they first differ, both
+    tokens are in each side's top-5, within `tie` of each other in logprob."""
+    same = sum(ours == theirs for (ours, _), (theirs, _) in zip(got, ref))
+    near_ties = 0
+    for (ours, our_top), (theirs, their_top) in zip(got, ref):
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if first is not None and all(ours[first] in top[first] and theirs[first] in top[first]
+                                     and abs(top[first][ours[first]] - top[first][theirs[first]]) <= tie
+                                     for top in (our_top, their_top)):
+            near_ties += 1
+    value = f"{same}/{len(ref)} prompts identical" + (f", {near_ties} diverged at a near-tie" if near_ties else "")
+    return value, same == len(ref) or (not exact and same + near_ties == len(ref))
 
 
 def decode_ms(llm: LLM, batch: int, steps: int = 64, warmup: int = 8,
@@ -96,6 +118,22 @@ def decode_ms(llm: LLM, batch: int, steps: int = 64, warmup: int = 8,
     while engine.has_unfinished_requests():
         engine.step()
     return elapsed / steps * 1e3
+
+
+def replay_ms(llm: LLM, num_tokens: int, replays: int = 50) -> float:
+    """Device ms of one replay of the in-process runner's FULL graph of `num_tokens`, on what its buffers hold: the
+    forward alone, without the step's scheduling, input preparation and sampling (decode_ms times all of it)."""
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner  # the uniproc executor's one worker
+    assert runner.graphs is not None and runner.graphs.runner is not None, "no FULL graphs were captured"
+    graph = runner.graphs.runner.graphs[num_tokens]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def build_random_qwen(out: Path, tokenizer_from: Path, device: str = "cuda", **shape: int) -> Path:

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # The GPU checks on a machine whose python3 has torch, transformers and triton but not the rest of raylm's
 # dependencies and no network (the device tool's machines). The offline path needs none of Ray, FastAPI or uvicorn,
-# only pydantic and its three helpers: `wheels` downloads them here into .whl/ (ignored by git; ~3 MB, for the target's
-# Python), `run` installs them there and runs the GPU tests and scripts/gpu_check.py, writing to $OUT when it is set.
+# only pydantic and its three helpers, gguf (the loader's block formats), xgrammar with its tvm-ffi and llguidance (the
+# grammar backends): `wheels` downloads them here into .whl/ (ignored by git; ~10 MB, for the target's Python), `run`
+# installs them there and runs the GPU tests and scripts/gpu_check.py, writing to $OUT when it is set.
 #   here:  scripts/gpu_session.sh wheels [python-version, default 3.12]
 #   there: scripts/gpu_session.sh run [gpu_check.py's arguments, e.g. --sections 3 4]   (carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
+WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0
+        xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.9.1)
 case "${1:-}" in
   wheels)
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "${2:-3.12}" --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d .whl "${WHEELS[@]}" && ls .whl ;;
   run)
-    # One H200 session: the gpu tests (<= 150 s) and gpu_check (a 270 s budget for starting sections, 330 s at most)
-    # fit in 8 minutes with the start-up around them.
+    # The gpu tests (<= 150 s) and gpu_check (a 270 s budget for starting sections, 330 s at most): the whole run
+    # took 190-230 s on an H200 (2026-12-04: the tests 45 s, gpu_check 145-175 s), the start-up aside.
     out="${OUT:-/tmp/gpu-session}"; mkdir -p "$out"
-    if ! python3 -c "import pydantic" 2>/dev/null; then
+    if ! python3 -c "import pydantic, gguf, xgrammar, llguidance" 2>/dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
       export PYTHONPATH=/tmp/site
     fi

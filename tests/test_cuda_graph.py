@@ -1,5 +1,6 @@
 """FULL CUDA graphs (needs CUDA): a captured graph's replay gives the eager forward's logits and tokens at every capture
-size, and for the batch sizes between them (padded up to the next size)."""
+size, and for the batch sizes between them (padded up to the next size). In bfloat16 the graph's and eager's kernels
+round differently, so a request's tokens may part at a near-tie (its two tokens' logits within the tolerance)."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,8 +19,8 @@ CAPTURE_SIZES = [1, 2, 4, 8]
 SETTINGS = dict(max_num_seqs=8, num_blocks=256, device="cuda")
 # The backends with a fixed-buffer decode (build_decode_graph), with what each needs; flash_attn runs 16-bit only.
 BACKENDS = [
-    pytest.param("torch", {}, 1e-4, id="torch"),
-    pytest.param("triton", {}, 1e-4, id="triton", marks=pytest.mark.skipif(
+    pytest.param("torch", {"dtype": "float32"}, 1e-4, id="torch"),  # float32: `auto` on CUDA is the checkpoint's
+    pytest.param("triton", {"dtype": "float32"}, 1e-4, id="triton", marks=pytest.mark.skipif(
         importlib.util.find_spec("triton") is None, reason="triton is not installed")),
     pytest.param("flash_attn", {"dtype": "bfloat16", "block_size": 256}, 2e-2, id="flash_attn",
                  marks=pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None,
@@ -48,9 +49,18 @@ def check_replay_equals_eager(model: Path, tolerance: float, **settings: Any) ->
     for batch in range(1, max(CAPTURE_SIZES) + 1):
         tokens, logits = serve(graphed, batch, graphed_steps)
         expected_tokens, expected_logits = serve(eager, batch, eager_steps)
-        assert tokens == expected_tokens, f"batch of {batch}"
-        for ours, reference in zip(logits, expected_logits):
-            torch.testing.assert_close(ours, reference, atol=tolerance, rtol=tolerance)
+        if settings.get("dtype") == "float32":
+            assert tokens == expected_tokens, f"batch of {batch}"
+        diverged: set[str] = set()
+        for step_tokens, step_expected, ours, reference in zip(tokens, expected_tokens, logits, expected_logits):
+            for row, req_id in enumerate(step_expected):  # logits rows are in the batch's request order
+                if req_id in diverged:  # its inputs differ from here on
+                    continue
+                torch.testing.assert_close(ours[row], reference[row], atol=tolerance, rtol=tolerance)
+                if step_tokens[req_id] != step_expected[req_id]:  # 16-bit kernels round differently: a near-tie only
+                    [token], [expected] = step_tokens[req_id], step_expected[req_id]
+                    assert reference[row, expected] - reference[row, token] <= 2 * tolerance, f"{req_id}: no near-tie"
+                    diverged.add(req_id)
     # Every decode step replayed the graph of its batch size rounded up to a capture size.
     assert replayed == [size for batch in range(1, 9) for size in [min(s for s in CAPTURE_SIZES if s >= batch)] * 3]
 

@@ -39,6 +39,17 @@ def test_backends_section_compares_greedy_tokens(llama_path: Path, moe_checkpoin
     assert check.rows[-1]["value"] == "8/8 prompts identical, 0 forwards replayed a graph"
 
 
+def test_16_bit_runs_may_diverge_at_a_near_tie_only() -> None:
+    ref = [([5, 6, 7], [{5: -0.1}, {6: -0.50, 9: -0.51}, {7: -0.2}])]
+    near_tie = [([5, 9, 3], [{5: -0.1}, {9: -0.50, 6: -0.51}, {3: -0.2}])]  # 9 for 6, 0.01 apart on both sides
+    far = [([5, 9, 3], [{5: -0.1}, {9: -0.40, 6: -0.51}, {3: -0.2}])]  # 9 for 6, but 0.11 apart in this run
+    assert gpu_measure.compare_greedy(ref, ref, exact=True) == ("1/1 prompts identical", True)
+    assert gpu_measure.compare_greedy(near_tie, ref, exact=True) == ("0/1 prompts identical, 1 diverged at a near-tie",
+                                                                     False)
+    assert gpu_measure.compare_greedy(near_tie, ref, exact=False)[1] is True
+    assert gpu_measure.compare_greedy(far, ref, exact=False) == ("0/1 prompts identical", False)
+
+
 def test_a_graphs_row_fails_when_no_graph_replayed(llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where CUDA is present a "graphs" row needs replays: tokens equal to eager are not enough (both may be eager)."""
     monkeypatch.setattr(gpu_check, "installed", lambda package: False)
@@ -60,8 +71,8 @@ def test_random_qwen_runs_in_raylm_and_transformers(llama_path: Path, tmp_path: 
     tokens_per_s, weight_bytes = gpu_measure.transformers_generate(qwen, batch, 5, device="cpu")
     assert tokens_per_s > 0
     assert weight_bytes == 2 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(qwen).parameters())
-    tokens = gpu_measure.greedy_tokens(qwen, batch, dtype="bfloat16", max_model_len=64)
-    assert [len(t) for t in tokens] == [gpu_measure.GREEDY.max_tokens] * 3
+    outputs = gpu_measure.greedy_tokens(qwen, batch, dtype="bfloat16", max_model_len=64)
+    assert [(len(tokens), len(tops)) for tokens, tops in outputs] == [(gpu_measure.GREEDY.max_tokens,) * 2] * 3
 
 
 class CpuGraphs(CUDAGraphRunner):

@@ -18,10 +18,12 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: t
     if n == 0:
         return
     written = slot_mapping >= 0
-    first = written.to(torch.uint8).argmax()  # 0 when no row is written
-    any_written = written[first]
-    fallback_slot = torch.where(any_written, slot_mapping[first], 0)
+    # A one-element index tensor, not a 0-d one: indexing with a 0-d tensor reads it back to the host (.item()).
+    first = written.to(torch.uint8).argmax().view(1)  # 0 when no row is written
+    any_written = written.index_select(0, first)
+    fallback_slot = torch.where(any_written, slot_mapping.index_select(0, first), 0)
     slots = torch.where(written, slot_mapping, fallback_slot)
     for cache, new in ((key_cache, key[:n]), (value_cache, value[:n])):
-        fallback = torch.where(any_written, new[first], cache[fallback_slot])
+        fallback = torch.where(any_written[:, None, None], new.index_select(0, first),
+                               cache.index_select(0, fallback_slot))
         cache.index_copy_(0, slots, torch.where(written[:, None, None], new, fallback))
