@@ -56,17 +56,19 @@ def decoder_linear_weights(model: Path) -> int:
 
 
 def flops_per_run(model: Path, prompts: list[list[int]], output_lens: list[int]) -> float:
-    """Matmul FLOPs the workload needs: 2 x weights per token, plus attention over the context."""
+    """Matmul FLOPs the workload needs: 2 x the decoder's weights per token forwarded (the prompt and every output
+    token but the last), 2 x the LM head's per token sampled (prompt positions need no logits), and attention over
+    the context."""
     config = json.loads((model / "config.json").read_text())
     hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
-    weights = decoder_linear_weights(model) + hidden * vocab
+    decoder = decoder_linear_weights(model)
     total = 0.0
     for prompt, out in zip(prompts, output_lens):
-        tokens = len(prompt) + out
-        context = tokens * (tokens + 1) / 2  # keys each token attends to
-        total += 2 * weights * tokens + 4 * layers * heads * head_dim * context
+        forwarded = len(prompt) + out - 1
+        context = forwarded * (forwarded + 1) / 2  # keys each forwarded token attends to
+        total += 2 * decoder * forwarded + 2 * hidden * vocab * out + 4 * layers * heads * head_dim * context
     return total
 
 
