@@ -30,7 +30,6 @@ from raylm.common.sampling_params import SamplingParams  # noqa: E402
 from raylm.runner.attention import choose_attn_backend  # noqa: E402
 from scripts.bench_common import vocab_size  # noqa: E402
 from scripts.gpu_measure import (  # noqa: E402
-    Greedy,
     Row,
     add,
     build_random_qwen,
@@ -52,6 +51,7 @@ from scripts.gpu_proof import (  # noqa: E402
     check_captures,
     check_replays,
     graph_report,
+    greedy_tokens_and_replays,
     keys_summary,
     sync_debug_decode,
     timed_decode,
@@ -60,7 +60,6 @@ from scripts.gpu_proof import (  # noqa: E402
 DECODE_BATCHES = (1, 8, 64, 256)
 # flash-attn runs 16-bit with pages of 256 tokens; the other backends are checked in float32 (exact comparisons).
 FLASH = {"attention_backend": "flash_attn", "dtype": "bfloat16", "block_size": 256}
-MOE = {"attention_backend": "torch", "dtype": "bfloat16"}  # bfloat16: the experts' one-kernel grouped matmul
 
 
 @dataclass
@@ -77,21 +76,16 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+def moe_settings() -> dict[str, Any]:
+    """The Mixtral's: bfloat16 (the experts' one-kernel grouped matmul), and triton attention where installed, whose
+    eager and captured decodes are one kernel. The torch backend's are not (SDPA eager, a float32 packed decode in
+    graphs): 1-ulp differences that flip the router's top-2 now and then, and with it a token's whole expert output."""
+    return {"attention_backend": "triton" if installed("triton") else "torch", "dtype": "bfloat16"}
+
+
 def graphs_are_captured() -> bool:
     """Whether this machine captures CUDA graphs at all (on CPU a "graphs" run is eager)."""
     return torch.cuda.is_available()
-
-
-def greedy_tokens_and_replays(model: Path, batch: list[dict[str, list[int]]], **settings: Any
-                              ) -> tuple[list[Greedy], int]:
-    """Greedy tokens (with their top-5), and how many forwards of the run replayed a captured graph."""
-    llm = make_llm(model, **settings)
-    try:
-        graph_report(llm)  # forget the warm-up's forwards
-        outputs = greedy_outputs(llm, batch)
-        return outputs, sum(forward["replayed"] for forward in graph_report(llm)["forwards"])
-    finally:
-        close(llm)
 
 
 def check_backends(check: GpuCheck) -> None:
@@ -115,8 +109,9 @@ def check_backends(check: GpuCheck) -> None:
                    {**FLASH, "enforce_eager": mode == "eager"}) for mode in ("eager", "graphs")]
     else:
         add(check.rows, "1 backends", "flash_attn", "not installed (skipped)")
-    moe_eager = greedy_tokens(check.moe, batch, **MOE, enforce_eager=True, **base)
-    cases.append(("mixtral graphs vs eager, bf16 (grouped matmul)", check.moe, moe_eager, MOE))
+    moe = moe_settings()
+    moe_eager = greedy_tokens(check.moe, batch, **moe, enforce_eager=True, **base)
+    cases.append(("mixtral graphs vs eager, bf16 (grouped matmul)", check.moe, moe_eager, moe))
     for name, model, ref, settings in cases:
         case = dict(backend=settings["attention_backend"], dtype=settings["dtype"],
                     graphs="NONE" if settings.get("enforce_eager") else "FULL")
@@ -141,7 +136,8 @@ def check_decode_steps(check: GpuCheck) -> None:
         backends.append(("triton", check.tiny, {"attention_backend": "triton", "dtype": "float32"}))
     if installed("flash_attn"):
         backends.append(("flash_attn", check.tiny, FLASH))
-    backends.append(("mixtral (torch attention)", check.moe, MOE))
+    moe = moe_settings()
+    backends.append((f"mixtral ({moe['attention_backend']} attention)", check.moe, moe))
     for name, model, settings in backends:
         times: dict[str, dict[int, float]] = {}
         for mode in ("eager", "graphs"):

@@ -9,13 +9,14 @@ import dataclasses
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from raylm.cluster import LLM
 from raylm.common.sampling_params import SamplingParams
-from scripts.gpu_measure import decode_ms, prompts
+from scripts.gpu_measure import Greedy, close, decode_ms, greedy_outputs, make_llm, prompts
 
 _ids = itertools.count()
 NOT_CHECKED = "-"
@@ -104,3 +105,15 @@ def sync_debug_decode(llm: LLM, params: list[SamplingParams], batch: int = 8, st
     while engine.has_unfinished_requests():
         engine.step()
     return result
+
+
+def greedy_tokens_and_replays(model: Path, batch: list[dict[str, list[int]]], **settings: Any
+                              ) -> tuple[list[Greedy], int]:
+    """Greedy tokens (with their top-5), and how many forwards of the run replayed a captured graph."""
+    llm = make_llm(model, **settings)
+    try:
+        graph_report(llm)  # forget the warm-up's forwards
+        outputs = greedy_outputs(llm, batch)
+        return outputs, sum(forward["replayed"] for forward in graph_report(llm)["forwards"])
+    finally:
+        close(llm)

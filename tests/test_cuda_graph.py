@@ -76,5 +76,9 @@ def test_graph_replay_equals_eager_on_every_capture_size(llama_path: Path, backe
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
                     reason="the experts' grouped matmul is one kernel on compute capability 9.x / 10.x only")
 def test_moe_graph_replay_equals_eager(moe_checkpoints: dict[str, Path]) -> None:
-    """The experts' grouped matmul inside a captured graph (bfloat16: its one-kernel path)."""
-    check_replay_equals_eager(moe_checkpoints["mixtral"], 2e-2, attention_backend="torch", dtype="bfloat16")
+    """The experts' grouped matmul inside a captured graph (bfloat16: its one-kernel path). Triton attention where
+    installed: its eager and captured decodes are one kernel. The torch backend's differ by an ulp (SDPA eager, a
+    float32 packed decode in graphs), enough to flip the router's top-2 of a token now and then: on an H200 that moved
+    one row's logits by 0.05."""
+    backend = "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    check_replay_equals_eager(moe_checkpoints["mixtral"], 2e-2, attention_backend=backend, dtype="bfloat16")
