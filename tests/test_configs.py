@@ -30,6 +30,8 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     (dict(no_such_setting=1), "unknown setting(s) ['no_such_setting']"),
     (dict(distributed_executor_backend="mpi"), "distributed_executor_backend"),
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=128), "max_num_batched_tokens"),
+    (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+    (dict(enable_chunked_prefill=False, long_prefill_token_threshold=64), "needs enable_chunked_prefill"),
     (dict(pipeline_parallel_size=2, pp_layer_partition=[1, 1, 1]), "pp_layer_partition"),
     (dict(min_replicas=3, max_replicas=2), "min_replicas"),
 ])

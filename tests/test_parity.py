@@ -16,6 +16,7 @@ SCHEDULES = {
     "one_step": dict(max_num_batched_tokens=1024, max_num_seqs=16),
     "chunked_prefill": dict(max_num_batched_tokens=32, max_num_seqs=16),
     "two_at_a_time": dict(max_num_batched_tokens=1024, max_num_seqs=2),
+    "long_prefill_slices": dict(max_num_batched_tokens=1024, max_num_seqs=16, long_prefill_token_threshold=24),
     # The plain-torch layers and attention backend, which run wherever raylm's CPU kernels do not.
     "chunked_prefill_plain_torch": dict(max_num_batched_tokens=32, max_num_seqs=16, custom_ops="none"),
 }

@@ -99,6 +99,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_num_seqs: int = 16,
     enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int = 0,
     scheduling_policy: str = "fcfs",
     enable_prefix_caching: bool = True,
     async_scheduling: bool = False,
@@ -106,7 +107,8 @@ def make_scheduler(
 ) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=scheduling_policy,
+        enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
+        scheduling_policy=scheduling_policy,
         async_scheduling=async_scheduling)
     cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(scheduler_config, cache_config, max_model_len, num_blocks, BLOCK_SIZE, send_token_ids)
@@ -207,6 +209,19 @@ def test_chunked_prefill_splits_a_long_prompt() -> None:
         assert (outputs == []) == (len(chunks) < 4)  # only the last chunk samples
     assert chunks == [32, 32, 32, 4]
     assert run(scheduler, runner)["a"].token_ids == expected_tokens(request, 3)[1:]
+
+
+def test_long_prefill_token_threshold_slices_a_prompt_beside_the_decodes() -> None:
+    scheduler, runner = make_scheduler(long_prefill_token_threshold=8), FakeRunner()
+    decoding, long = make_request("a", 4, max_tokens=20), make_request("b", 20, max_tokens=3)
+    scheduler.add_request(decoding)
+    step(scheduler, runner)  # a's 4-token prompt: under the threshold, whole
+    scheduler.add_request(long)
+    steps = [step(scheduler, runner)[0].num_scheduled_tokens for _ in range(3)]
+    assert steps == [{"a": 1, "b": 8}, {"a": 1, "b": 8}, {"a": 1, "b": 4}]  # the budget (64) would take b at once
+    results = run(scheduler, runner)
+    assert results["b"].token_ids == expected_tokens(long, 3)[1:]  # its first token came with the last slice
+    assert len(results["a"].token_ids) == 20 - 4
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_room() -> None:

@@ -45,6 +45,8 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        # vLLM's cap on one request's prefill per step (0: none): decodes keep a short step while a long prompt runs.
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         # Async scheduling plans step N+1 before step N's samples are back: the scheduled positions
         # whose token is still unknown are counted in `Request.num_output_placeholders`.
         self.async_scheduling = scheduler_config.async_scheduling
@@ -190,7 +192,7 @@ class Scheduler:
                         break  # no room for the blocks its KV goes into
                     queue.pop()  # it waits for its KV outside the queue: the requests behind it go on
                     continue
-            num_new_tokens = request.num_tokens - num_computed_tokens
+            num_new_tokens = self._capped(request.num_tokens - num_computed_tokens)
             if num_new_tokens > budget:
                 if not self.enable_chunked_prefill:
                     break  # waits for a step with room, keeping the queue order
@@ -328,7 +330,11 @@ class Scheduler:
             return 0  # async: the samples in flight already reach max_tokens
         # Without chunked prefill a running request only ever has decode tokens left (a whole prompt
         # was admitted at once), so capping by the budget never splits a prompt.
-        return min(num_tokens + num_placeholders - request.num_computed_tokens, budget)
+        return min(self._capped(num_tokens + num_placeholders - request.num_computed_tokens), budget)
+
+    def _capped(self, num_new_tokens: int) -> int:
+        threshold = self.long_prefill_token_threshold
+        return min(num_new_tokens, threshold) if threshold else num_new_tokens
 
     def _admit_compiled_grammars(self) -> None:
         """Queue the requests whose grammar compiled; finish (abort) those whose grammar failed to."""

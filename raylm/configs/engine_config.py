@@ -77,6 +77,9 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
     max_num_seqs: int = Field(128, ge=1, description="requests running at once")
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="0: off; else the most prompt tokens one request computes in a step (chunked prefill), "
+                             "so a long prompt joins the running decodes in slices instead of one long step")
     async_scheduling: bool = False
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
@@ -204,6 +207,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         sched, parallel = self.scheduler_config, self.parallel_config
         max_len = self.model_config.max_model_len
+        if sched.long_prefill_token_threshold and not sched.enable_chunked_prefill:
+            raise ValueError(f"long_prefill_token_threshold ({sched.long_prefill_token_threshold}) slices prompts "
+                             f"over steps: it needs enable_chunked_prefill (or set it to 0)")
         if max_len is not None and not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
             raise ValueError(
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_model_len "
