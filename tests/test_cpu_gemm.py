@@ -92,7 +92,7 @@ def test_every_kernel_computes_the_linear(kernel: str, gemm_cache: Path) -> None
 
 
 def test_skinny_is_timed_only_with_the_cpu_kernels(gemm_cache: Path) -> None:
-    """custom_ops="none" (kernels off) plans sgemm and oneDNN only; with the kernels, skinny is timed up to 16 rows."""
+    """custom_ops="none" (kernels off) plans sgemm and oneDNN only; with the kernels, skinny is timed up to 128 rows."""
     layers = [LinearBase(64, 48, bias=False) for _ in range(2)]
     for layer in layers:
         layer.process_weights_after_loading()
@@ -104,7 +104,7 @@ def test_skinny_is_timed_only_with_the_cpu_kernels(gemm_cache: Path) -> None:
     assert "skinny" not in plan.kernels and "skinny" not in figures
     if cpu_kernels.load() is not None:
         plan, figures = cpu_gemm.time_kernels(layers)
-        assert len(figures["skinny"]) == ROW_BUCKETS.index(16) + 1
+        assert len(figures["skinny"]) == ROW_BUCKETS.index(128) + 1
 
 
 def test_a_shape_whose_plan_never_uses_onednn_drops_its_packed_copy(gemm_cache: Path,

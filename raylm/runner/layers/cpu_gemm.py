@@ -2,9 +2,9 @@
 
 Three kernels compute y = x W^T (+ b) in float32 accuracy: `sgemm`, torch's F.linear on the weight as stored (MKL's
 or OpenBLAS's sgemm); `onednn`, oneDNN's matmul on a copy of the weight reordered once into its blocked layout; and,
-for float32 batches of up to 16 rows with raylm's CPU kernels, `skinny` (runner/csrc/skinny_gemm.h) on a copy packed
-into panels that stream from memory in one run, each load feeding every row: on a 2-core EPYC it read the weights of
-SmolLM2's shapes at 1.3-1.9x oneDNN's rate from 1 to 8 rows.
+for float32 batches of up to 128 rows with raylm's CPU kernels, `skinny` (runner/csrc/skinny_gemm.h) on a copy
+packed into panels that stream from memory in one run, each load feeding every row: on a 2-core EPYC it read the
+weights of SmolLM2's shapes at 1.3-1.9x oneDNN's rate from 1 to 8 rows.
 oneDNN packs bfloat16 weights only on CPUs with the instructions its bf16 kernels need (AVX-512 BW/VL/DQ or
 AVX-NE-CONVERT; torch asks oneDNN); elsewhere a bfloat16 layer keeps a float32 copy of its weight, upcast once, and
 runs `sgemm_fp32` (x upcast, sgemm, the result cast back), 3-5x torch's own bfloat16 linear on an AVX2-only CPU.
@@ -49,6 +49,10 @@ _MAX_TIMED_FLOPS = 4e9
 # a server CPU's last-level cache holds, so each call reads its weight from memory as in a real step.
 _COLD_MAX_ROWS = 16
 _COLD_BYTES = 96 * 2**20
+# The skinny kernel is timed up to this many rows: past the memory-bound sizes its 8-row passes (4 with AVX2) still
+# beat oneDNN on a 2-core EPYC at 32-64 rows (SmolLM2's shapes: 215-232 against 153-216 GFLOP/s); from 128 rows on,
+# they were even.
+_SKINNY_MAX_ROWS = 128
 
 Shape = tuple[int, int, bool]  # (out_features, in_features, has_bias)
 
@@ -168,7 +172,7 @@ def plan_linears(model: nn.Module) -> None:
     with_skinny = skinny_ops(next(iter(layers.values()))[0].weight) is not None
     key = content_key("gemm_plans", repr(shapes), str(dtype), str(threads), cpu_flags(), torch.__version__,
                       repr(ROW_BUCKETS), f"cold {_COLD_MAX_ROWS} rows {_COLD_BYTES}", f"kernels {KERNELS}",
-                      f"skinny {with_skinny}", sys.implementation.cache_tag)
+                      f"skinny {with_skinny} up to {_SKINNY_MAX_ROWS} rows", sys.implementation.cache_tag)
     folder = cache_path("gemm_plans", key)
 
     def time_into(tmp: Path) -> dict[Shape, GemmPlan]:
@@ -204,7 +208,7 @@ def _why_not_onednn(model: nn.Module) -> str:
 
 def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[float]]]:
     """Times the kernels on the layers' weights (all of one shape) at every row bucket, their calls interleaved
-    (best of _TIMED_ROUNDS each; skinny up to _COLD_MAX_ROWS rows, where it applies); returns the plan and the
+    (best of _TIMED_ROUNDS each; skinny up to _SKINNY_MAX_ROWS rows, where it applies); returns the plan and the
     GFLOP/s of each kernel per bucket timed."""
     out_features, in_features = layers[0].weight.shape
     bias = None if layers[0].bias is None else torch.zeros_like(layers[0].bias)
@@ -219,7 +223,7 @@ def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[f
             continue
         timed = layers[:num_cold] if rows <= _COLD_MAX_ROWS else layers[:1]
         best = _best_seconds(torch.randn(rows, in_features, dtype=layers[0].weight.dtype), timed, bias,
-                             with_skinny=rows <= _COLD_MAX_ROWS)
+                             with_skinny=rows <= _SKINNY_MAX_ROWS)
         for name, seconds in best.items():
             figures[name].append(round(flops / seconds / 1e9, 1))
         choices.append(min(best, key=best.__getitem__))
