@@ -15,6 +15,7 @@ from raylm.runner.layers.cpu_gemm import KERNELS, ROW_BUCKETS, CpuGemmMixin, Gem
 from raylm.runner.layers.linear import LinearBase
 from raylm.runner.models.loader import load_model
 from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
+from tests.avx2_kernels import avx2_kernels
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -89,6 +90,23 @@ def test_every_kernel_computes_the_linear(kernel: str, gemm_cache: Path) -> None
         x = torch.randn(rows, 96)
         for bias in (layer.bias, None):
             torch.testing.assert_close(layer.matmul(x, bias), F.linear(x, layer.weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_the_avx2_build_of_the_skinny_kernel_computes_the_linear() -> None:
+    """The AVX2 path (4 rows a pass, 8-float registers), built here whatever this CPU has beyond AVX2: F.linear's
+    result inside and past a pass, past a 32-wide panel, and at the largest rows a plan times it for."""
+    ops = avx2_kernels()
+    if ops is None:
+        pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
+    assert ops is not cpu_kernels.load()
+    torch.manual_seed(0)
+    weight, bias = torch.randn(80, 96), torch.randn(80)
+    packed = ops.pack_skinny(weight)
+    for rows in (1, 3, 4, 5, 9, 17, 64, 129):
+        x = torch.randn(rows, 96)
+        for b in (bias, None):
+            torch.testing.assert_close(ops.skinny_linear(x, packed, 80, b), F.linear(x, weight, b), rtol=1e-5,
+                                       atol=1e-4)
 
 
 def test_skinny_is_timed_only_with_the_cpu_kernels(gemm_cache: Path) -> None:

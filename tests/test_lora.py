@@ -21,6 +21,7 @@ from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.lora.punica import PunicaWrapper, SlotWeights
 from raylm.runner.lora.worker_manager import LoRAManager
 from scripts.gguf_to_safetensors import write_float32_checkpoint
+from tests.avx2_kernels import avx2_kernels
 from tests.gguf_files import write_gguf
 from tests.lora_utils import make_adapter, peft_greedy
 from tests.reference import TOP_K, check_logprobs_close
@@ -239,7 +240,7 @@ def plan(punica: PunicaWrapper) -> tuple[bool, str]:
 PRODUCT_SHAPES = {"small": (4, 5, (3, 6)), "vectors": (16, 40, (32, 20)), "overlap": (12, 40, (24, 40))}
 
 
-@pytest.mark.parametrize("path", ["torch", "cpu-kernel"])
+@pytest.mark.parametrize("path", ["torch", "cpu-kernel", "cpu-kernel-avx2"])
 @pytest.mark.parametrize("shape", PRODUCT_SHAPES.values(), ids=PRODUCT_SHAPES.keys())
 @pytest.mark.parametrize("slots,layout", PRODUCT_CASES.values(), ids=PRODUCT_CASES.keys())
 def test_lora_product_matches_the_loop_over_tokens(slots: list[int], layout: tuple[bool, str],
@@ -248,9 +249,10 @@ def test_lora_product_matches_the_loop_over_tokens(slots: list[int], layout: tup
     (torch's products) or with the fused CPU kernel; base-model tokens and the forward's padding rows are left exactly
     as they were."""
     torch.manual_seed(0)
-    kernels = cpu_kernels.load() if path == "cpu-kernel" else None
-    if path == "cpu-kernel" and kernels is None:
-        pytest.skip("raylm's CPU kernels could not be built here")
+    load = {"torch": None, "cpu-kernel": cpu_kernels.load, "cpu-kernel-avx2": avx2_kernels}[path]
+    kernels = None if load is None else load()
+    if load is not None and kernels is None:
+        pytest.skip("raylm's CPU kernels (for AVX2: on a CPU with AVX2 + FMA) could not be built here")
     max_loras, (rank, in_features, sizes) = 4, shape  # two output slices (q and kv, say)
     punica = PunicaWrapper(128, max_loras, torch.device("cpu"), kernels)
     punica.update(np.array(slots))
