@@ -1,7 +1,8 @@
-// y = x W^T (+ bias) for the few rows of a decode step, where a linear layer is bound by reading its weight from
-// memory: the weight is packed once into panels of kPanel outputs, [panels, in, kPanel], so that a panel streams
-// from memory in one sequential run, and each of its vector loads feeds every row's multiply-add (from 1 to 8 rows,
-// over 30 cold layers of SmolLM2's shapes on a 2-core EPYC: oneDNN 16-32 GB/s, this kernel 24-47 GB/s).
+// y = x W^T (+ bias) for the rows of a decode step (planned up to 128 rows, layers/cpu_gemm.py). At a few rows a
+// linear layer is bound by reading its weight from memory: the weight is packed once into panels of kPanel outputs,
+// [panels, in, kPanel], so that a panel streams from memory in one sequential run, and each of its vector loads feeds
+// every row's multiply-add (from 1 to 8 rows, over 30 cold layers of SmolLM2's shapes on a 2-core EPYC: oneDNN 16-32
+// GB/s, this kernel 24-47 GB/s).
 #pragma once
 
 #include "lora_ops.h"

@@ -214,6 +214,9 @@ def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[f
     bias = None if layers[0].bias is None else torch.zeros_like(layers[0].bias)
     weight_bytes = layers[0].weight.numel() * layers[0].weight.element_size()
     num_cold = min(len(layers), -(-_COLD_BYTES // weight_bytes))
+    ops = skinny_ops(layers[0].weight)
+    # Packed once for every bucket that times them (up to _COLD_BYTES of them for the cold small ones).
+    skinny = None if ops is None else [ops.pack_skinny(layer.weight.detach()) for layer in layers[:num_cold]]
     choices: list[str] = []
     figures: dict[str, list[float]] = {name: [] for name in KERNELS}
     for rows in ROW_BUCKETS:
@@ -221,9 +224,9 @@ def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[f
         if choices and flops > _MAX_TIMED_FLOPS:
             choices.append(choices[-1])
             continue
-        timed = layers[:num_cold] if rows <= _COLD_MAX_ROWS else layers[:1]
-        best = _best_seconds(torch.randn(rows, in_features, dtype=layers[0].weight.dtype), timed, bias,
-                             with_skinny=rows <= _SKINNY_MAX_ROWS)
+        num_timed = num_cold if rows <= _COLD_MAX_ROWS else 1
+        best = _best_seconds(torch.randn(rows, in_features, dtype=layers[0].weight.dtype), layers[:num_timed], bias,
+                             skinny[:num_timed] if skinny is not None and rows <= _SKINNY_MAX_ROWS else None)
         for name, seconds in best.items():
             figures[name].append(round(flops / seconds / 1e9, 1))
         choices.append(min(best, key=best.__getitem__))
@@ -231,12 +234,13 @@ def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[f
 
 
 def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tensor | None,
-                  with_skinny: bool) -> dict[str, float]:
-    """Seconds per call of each kernel, over the layers' weights in turn."""
-    ops = skinny_ops(layers[0].weight) if with_skinny else None
+                  skinny: list[torch.Tensor] | None) -> dict[str, float]:
+    """Seconds per call of each kernel, over the layers' weights in turn; the skinny kernel too where `skinny` holds
+    the layers' panels."""
+    ops = None if skinny is None else skinny_ops(layers[0].weight)
     out_features = layers[0].weight.shape[0]
-    weights = [(layer.weight, layer.packed_weight, None if ops is None else ops.pack_skinny(layer.weight.detach()))
-               for layer in layers]
+    weights = [(layer.weight, layer.packed_weight, None if skinny is None else skinny[i])
+               for i, layer in enumerate(layers)]
     calls: dict[str, Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]] = {
         "sgemm": lambda weight, packed, skinny: F.linear(x, weight, bias),
         "onednn": lambda weight, packed, skinny: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
