@@ -16,6 +16,7 @@ from raylm.runner.attention import CPUAttentionBackend, TorchAttentionBackend, c
 from raylm.runner.layers.activation import SiluAndMul
 from raylm.runner.layers.layernorm import RMSNorm
 from raylm.runner.layers.rotary_embedding import RotaryEmbedding, _default_inv_freq
+from tests.avx2_kernels import avx2_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="raylm's CPU kernels could not be built here")
 
@@ -80,29 +81,49 @@ def test_rotary_in_place(rotary_dim: int) -> None:
 
 def _logical_to_cpu_layout(logical: torch.Tensor) -> torch.Tensor:
     """[2, blocks, block, kv_heads, D] (the torch backend's layout) -> the cpu backend's layout."""
+    num_blocks, _, kv_heads, head_size = logical.shape[1:]
     key = logical[0].permute(0, 2, 3, 1).contiguous()  # [blocks, kv_heads, D, block]: key tiles transposed
     value = logical[1].permute(0, 2, 1, 3).contiguous()  # [blocks, kv_heads, block, D]
-    shape = CPUAttentionBackend.get_kv_cache_shape(logical.shape[1], BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+    shape = CPUAttentionBackend.get_kv_cache_shape(num_blocks, BLOCK_SIZE, kv_heads, head_size)
     return torch.stack([key.view(shape[1:]), value]).contiguous()
 
 
+# (query heads, KV heads, head size): a head size off the kernel's 64-float slabs (24: its remainder loop; 80: a slab
+# and a remainder), on them (64, 128), and a group of 8 query heads per KV head, two row blocks of the kernel.
+HEAD_SHAPES = [(HEADS, KV_HEADS, HEAD_SIZE), (9, 3, 64), (4, 2, 80), (8, 1, 128)]
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels as this CPU builds them, or built for AVX2 alone (tests/avx2_kernels.py: 8-float registers, where
+    a row block's accumulators spill), standing in for them in the cpu backend."""
+    if request.param == "avx2":
+        ops = avx2_kernels()
+        if ops is None:
+            pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
+        monkeypatch.setattr(cpu_kernels, "ops_for", lambda x: ops)
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda h: "q{}-kv{}-d{}".format(*h))
 @pytest.mark.parametrize(("query_lens", "seq_lens"), [
     ([1, 7, 1, 5, 1], [9, 7, 40, 37, 1]),  # decodes of different lengths, a prefill, a chunk with context
     ([1, 1, 1], [16, 17, 33]),  # decodes at block edges
     ([40], [40]),  # one prompt
     ([20, 3], [70, 5]),  # chunks with context: the first splits into two query chunks across threads
 ])
-def test_cpu_backend_matches_torch_backend(query_lens: list[int], seq_lens: list[int]) -> None:
+def test_cpu_backend_matches_torch_backend(query_lens: list[int], seq_lens: list[int], heads: tuple[int, int, int],
+                                           kernel_build: None) -> None:
+    num_heads, kv_heads, head_size = heads
     generator = torch.Generator().manual_seed(0)
     free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
     block_tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
     common, _ = make_common_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE, num_padding_tokens=2)
-    logical = torch.randn(TorchAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE),
+    logical = torch.randn(TorchAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_size),
                           generator=generator)  # stands in for the context of earlier steps
     cpu_cache = _logical_to_cpu_layout(logical)
     num_tokens = sum(query_lens) + 2
-    query = torch.randn(num_tokens, HEADS, HEAD_SIZE, generator=generator)
-    key, value = (torch.randn(num_tokens, KV_HEADS, HEAD_SIZE, generator=generator) for _ in range(2))
+    query = torch.randn(num_tokens, num_heads, head_size, generator=generator)
+    key, value = (torch.randn(num_tokens, kv_heads, head_size, generator=generator) for _ in range(2))
     torch_backend, cpu_backend = TorchAttentionBackend(), CPUAttentionBackend()
     expected = torch_backend.forward(query, key, value, logical, torch_backend.build(common), 0.3)
     got = cpu_backend.forward(query, key, value, cpu_cache, cpu_backend.build(common), 0.3)

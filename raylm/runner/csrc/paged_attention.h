@@ -25,9 +25,21 @@ inline void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_c
   float* kc = key_cache.data_ptr<float>();
   float* vc = value_cache.data_ptr<float>();
   const int64_t k_stride = key.stride(0), v_stride = value.stride(0), tile = block_size * head_size;
-  const int64_t grain = rows_per_chunk(2 * num_kv_heads * head_size);
+  // Each token's key column touches head_size lines of its tiles, which a decode step finds in memory, not cache:
+  // threads split the tokens by lines written, and the next token's lines are requested while this one's are written.
+  const int64_t lines_per_token = num_kv_heads * (head_size + head_size / kTile);  // key columns, value rows
+  const int64_t grain = std::max<int64_t>(1, 256 / lines_per_token);
+  auto prefetch_token = [&](int64_t t) {
+    if (slots[t] < 0) return;
+    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const float* k_tile = kc + (block * num_kv_heads + h) * tile + offset;
+      for (int64_t d = 0; d < head_size; ++d) __builtin_prefetch(k_tile + d * block_size, 1, 3);
+    }
+  };
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      if (t + 1 < end) prefetch_token(t + 1);
       if (slots[t] < 0) continue;
       const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -41,14 +53,8 @@ inline void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_c
   });
 }
 
-// Online-softmax state of one query row: running max and running sum of exp(score - max).
-struct RowState {
-  float max = -INFINITY;
-  float sum = 0.0f;
-};
-
-// Query rows of one task that share each K/V tile read: R rows' scores come from one pass over the key tile and
-// their values from one pass over the value tile, so every vector load feeds R FMAs instead of one.
+// Query rows of one task that share each key tile read: R rows' scores come from one pass over the key tile and
+// their weighted values from one pass over the value rows, so every vector load feeds R FMAs instead of one.
 constexpr int64_t kRowBlock = 4;
 
 // scores[r] = the kTile scores of query row r (of R, rows head_size apart) against a transposed key tile.
@@ -78,77 +84,148 @@ inline void prefetch_tile(const float* k_tile, int64_t head_size, int64_t block_
   for (int64_t i = 0; i < kTile * head_size; i += kTile) __builtin_prefetch(v_tile + i, 0, 1);
 }
 
-// acc[r][0:head_size] += sum over the tile's first `visible` keys of p[r][j] * v_tile[j], for R rows (p is zero
-// past each row's own causal limit).
-template <int R>
-inline void block_accumulate(float* acc, const float (*p)[kTile], const float* v_tile, int64_t visible,
-                             int64_t head_size) {
-  int64_t d = 0;
-  for (; d + kTile <= head_size; d += kTile) {
-    vec16 even[R], odd[R];
-    for (int r = 0; r < R; ++r) {
-      even[r] = load16(acc + r * head_size + d);
-      odd[r] = vec16{};
-    }
-    int64_t j = 0;
-    for (; j + 1 < visible; j += 2) {
-      const vec16 v0 = load16(v_tile + j * head_size + d), v1 = load16(v_tile + (j + 1) * head_size + d);
-      for (int r = 0; r < R; ++r) {
-        even[r] += p[r][j] * v0;
-        odd[r] += p[r][j + 1] * v1;
-      }
-    }
-    if (j < visible) {
-      const vec16 v0 = load16(v_tile + j * head_size + d);
-      for (int r = 0; r < R; ++r) even[r] += p[r][j] * v0;
-    }
-    for (int r = 0; r < R; ++r) store16(acc + r * head_size + d, even[r] + odd[r]);
+// Where the key and value tiles of one request's KV head lie: `start` is a key position, a multiple of kTile.
+struct KvTiles {
+  const float* key_cache;
+  const float* value_cache;
+  const int32_t* blocks;  // the request's block table row
+  int64_t kv_head, num_kv_heads, head_size, block_size;
+
+  int64_t tile_offset(int64_t start) const {
+    return (blocks[start / block_size] * num_kv_heads + kv_head) * block_size * head_size;
   }
-  for (; d < head_size; ++d)
-    for (int r = 0; r < R; ++r)
-      for (int64_t j = 0; j < visible; ++j) acc[r * head_size + d] += p[r][j] * v_tile[j * head_size + d];
+  const float* key(int64_t start) const { return key_cache + tile_offset(start) + start % block_size; }
+  const float* value(int64_t start) const { return value_cache + tile_offset(start) + start % block_size * head_size; }
+};
+
+// Scores of R rows against one key tile, stored at scores[r * stride].
+template <int R>
+inline void store_scores(const float* q, const float* k_tile, int64_t head_size, int64_t block_size, float* scores,
+                         int64_t stride) {
+  vec16 s[R];
+  block_scores<R>(q, k_tile, head_size, block_size, s);
+  for (int r = 0; r < R; ++r) store16(scores + r * stride, s[r]);
 }
 
-// One row block's online-softmax step over one tile, the r-th row seeing visible[r] of its keys. Each row's
-// step is whole-vector work on its 16 scores (masked lanes, shuffle reductions): 1.3-1.45x faster prefill
-// attention than the former per-lane loops.
+// scores[0:n) = exp(scores - their max) in place, zero from n up to `stride` (a multiple of kTile); returns their sum.
+inline float softmax_row(float* scores, int64_t n, int64_t stride) {
+  const int64_t last = (n - 1) / kTile * kTile;  // the vector holding the row's last key
+  const ivec16 in_view = kLanes < static_cast<int32_t>(n - last);
+  vec16 max = in_view ? load16(scores + last) : vec16{} - INFINITY;
+  for (int64_t i = 0; i < last; i += kTile) max = vmax(max, load16(scores + i));
+  const float row_max = hmax16(max);
+  vec16 sum = {};
+  for (int64_t i = 0; i <= last; i += kTile) {
+    vec16 e = vexp16(load16(scores + i) - row_max);
+    if (i == last) e = in_view ? e : vec16{};
+    store16(scores + i, e);
+    sum += e;
+  }
+  std::fill(scores + last + kTile, scores + stride, 0.0f);
+  return hsum16(sum);
+}
+
+// acc[r][:] = sum over the first num_keys keys of p[r * p_stride + key] * value[key], for R rows. Each 64-float
+// slab of the head keeps its R x 4 accumulators in registers across every key, reading each value row once.
 template <int R>
-inline void attend_tile(const float* q_rows, float* acc, RowState* state, const float* k_tile, const float* v_tile,
-                        const int64_t* visible, int64_t head_size, int64_t block_size) {
-  vec16 scores[R];
-  block_scores<R>(q_rows, k_tile, head_size, block_size, scores);
-  float p[R][kTile];
-  int64_t max_visible = 0;
-  for (int r = 0; r < R; ++r) {
-    const int64_t n = visible[r];
-    max_visible = std::max(max_visible, n);
-    if (n <= 0) {  // this row's causal limit ends before the tile
-      store16(p[r], vec16{});
-      continue;
+inline void accumulate_values(float* acc, const float* p, int64_t p_stride, const KvTiles& tiles, int64_t num_keys) {
+  const int64_t head_size = tiles.head_size;
+  int64_t d0 = 0;
+  for (; d0 + 4 * kTile <= head_size; d0 += 4 * kTile) {
+    vec16 a[R][4] = {};
+    for (int64_t start = 0; start < num_keys; start += kTile) {
+      const float* v = tiles.value(start) + d0;
+      const int64_t visible = std::min(kTile, num_keys - start);
+      for (int64_t j = 0; j < visible; ++j, v += head_size) {
+        const vec16 v0 = load16(v), v1 = load16(v + kTile), v2 = load16(v + 2 * kTile), v3 = load16(v + 3 * kTile);
+        for (int r = 0; r < R; ++r) {
+          const float pr = p[r * p_stride + start + j];
+          a[r][0] += pr * v0;
+          a[r][1] += pr * v1;
+          a[r][2] += pr * v2;
+          a[r][3] += pr * v3;
+        }
+      }
     }
-    const ivec16 in_view = kLanes < static_cast<int32_t>(n);
-    const vec16 s = in_view ? scores[r] : vec16{} - INFINITY;
-    RowState& st = state[r];
-    const float new_max = std::max(st.max, hmax16(s));
-    const float correction = vexp(st.max - new_max);
-    vec16 e = vexp16(s - new_max);
-    e = in_view ? e : vec16{};
-    store16(p[r], e);
-    st.max = new_max;
-    st.sum = st.sum * correction + hsum16(e);
-    if (correction != 1.0f) {
-      float* a = acc + r * head_size;
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) store16(acc + r * head_size + d0 + c * kTile, a[r][c]);
+  }
+  if (d0 == head_size) return;
+  for (int r = 0; r < R; ++r) std::fill(acc + r * head_size + d0, acc + (r + 1) * head_size, 0.0f);
+  for (int64_t start = 0; start < num_keys; start += kTile) {
+    const float* v_tile = tiles.value(start);
+    for (int64_t j = 0; j < std::min(kTile, num_keys - start); ++j)
+      for (int r = 0; r < R; ++r) {
+        const float pr = p[r * p_stride + start + j];
+        float* a = acc + r * head_size;
 #pragma omp simd
-      for (int64_t d = 0; d < head_size; ++d) a[d] *= correction;
+        for (int64_t d = d0; d < head_size; ++d) a[d] += pr * v_tile[j * head_size + d];
+      }
+  }
+}
+
+// One task's rows over their causal keys: row r (query token r / group of the task, one of its KV head's group
+// query heads) sees keys [0, first_pos + r / group + 1). Two passes: every row's scores first (a row block shares
+// each key tile), then one softmax per row over whole vectors, then the values, weighted, from the same tiles. Unlike
+// an online softmax, no running max, sum and rescale per tile, which cost more than the dot products when a task
+// has a handful of rows (a decode's G heads). Writes each row's normalized output to out_rows[r].
+inline void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_t first_pos, const KvTiles& tiles,
+                        std::vector<float>& scores, float* acc, float* const* out_rows) {
+  const int64_t head_size = tiles.head_size, block_size = tiles.block_size;
+  const int64_t num_keys = first_pos + (rows - 1) / group + 1;  // keys the last row sees
+  const int64_t stride = (num_keys + kTile - 1) / kTile * kTile;
+  auto block_keys = [&](int64_t row0) {  // keys the last row of the block at row0 sees
+    return first_pos + (std::min(row0 + kRowBlock, rows) - 1) / group + 1;
+  };
+  scores.resize(rows * stride);
+  prefetch_tile(tiles.key(0), head_size, block_size, tiles.value(0));
+  for (int64_t start = 0; start < num_keys; start += kTile) {
+    if (start + kTile < num_keys) {
+      // Blocks lie anywhere in the pool, beyond the hardware prefetcher's reach: ask for the next tile now.
+      prefetch_tile(tiles.key(start + kTile), head_size, block_size, tiles.value(start + kTile));
+    }
+    const float* k_tile = tiles.key(start);
+    for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
+      if (start >= block_keys(row0)) continue;  // beyond every causal limit of this block (later blocks see more)
+      const float* q = q_rows + row0 * head_size;
+      float* s = scores.data() + row0 * stride + start;
+      switch (std::min(kRowBlock, rows - row0)) {
+        case 4: store_scores<4>(q, k_tile, head_size, block_size, s, stride); break;
+        case 3: store_scores<3>(q, k_tile, head_size, block_size, s, stride); break;
+        case 2: store_scores<2>(q, k_tile, head_size, block_size, s, stride); break;
+        default: store_scores<1>(q, k_tile, head_size, block_size, s, stride); break;
+      }
     }
   }
-  block_accumulate<R>(acc, p, v_tile, max_visible, head_size);
+  for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
+    const int64_t block_rows = std::min(kRowBlock, rows - row0), keys = block_keys(row0);
+    const int64_t block_stride = (keys + kTile - 1) / kTile * kTile;
+    float sums[kRowBlock];
+    for (int64_t r = 0; r < block_rows; ++r) {
+      const int64_t row = row0 + r;
+      sums[r] = softmax_row(scores.data() + row * stride, first_pos + row / group + 1, block_stride);
+    }
+    const float* p = scores.data() + row0 * stride;
+    switch (block_rows) {
+      case 4: accumulate_values<4>(acc, p, stride, tiles, keys); break;
+      case 3: accumulate_values<3>(acc, p, stride, tiles, keys); break;
+      case 2: accumulate_values<2>(acc, p, stride, tiles, keys); break;
+      default: accumulate_values<1>(acc, p, stride, tiles, keys); break;
+    }
+    for (int64_t r = 0; r < block_rows; ++r) {
+      const float inv = 1.0f / sums[r];
+      const float* a = acc + r * head_size;
+      float* dst = out_rows[row0 + r];
+#pragma omp simd
+      for (int64_t d = 0; d < head_size; ++d) dst[d] = a[d] * inv;
+    }
+  }
 }
 
 // Causal GQA attention of every request's queries over its paged K/V (already written, new tokens included).
 // Request r owns query rows query_start_loc[r]..[r+1], the last tokens of its seq_lens[r] tokens.
 // One task is (request, KV head, chunk of query tokens): its G = Hq/Hk query heads share each K/V tile
-// read, and an online softmax visits every visible cached key once. Writes out[t, h, :].
+// read, and every visible cached key is scored once and weighted once (attend_rows). Writes out[t, h, :].
 inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
                             torch::Tensor query_start_loc, double scale) {
@@ -162,8 +239,10 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   TORCH_CHECK(block_size % kTile == 0, "block_size must be a multiple of ", kTile);
   const int64_t group = num_heads / num_kv_heads, q_stride = query.stride(0), out_stride = out.stride(0);
-  const int64_t bt_stride = block_table.stride(0), tile = block_size * head_size;
-  constexpr int64_t kChunk = 16;  // query tokens per task: long chunks split across threads
+  const int64_t bt_stride = block_table.stride(0);
+  // Query tokens per task: long prompts split across threads, and fewer tokens where a task's scores (tokens x
+  // group x keys floats) would outgrow L2 (long contexts).
+  constexpr int64_t kChunk = 16, kScoresBytes = 512 * 1024;
 
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -172,8 +251,10 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   std::vector<Chunk> chunks;
   for (int32_t r = 0; r < seq_lens.size(0); ++r) {
     const int32_t query_len = qsl[r + 1] - qsl[r];
-    for (int32_t first = 0; first < query_len; first += kChunk)
-      chunks.push_back({r, first, std::min<int32_t>(kChunk, query_len - first)});
+    const auto chunk = static_cast<int32_t>(
+        std::clamp<int64_t>(kScoresBytes / (group * std::max(lens[r], 1) * sizeof(float)), 1, kChunk));
+    for (int32_t first = 0; first < query_len; first += chunk)
+      chunks.push_back({r, first, std::min<int32_t>(chunk, query_len - first)});
   }
   const float* q_base = query.data_ptr<float>();
   const float* kc = key_cache.data_ptr<float>();
@@ -182,60 +263,25 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, static_cast<int64_t>(chunks.size()) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_rows, acc;
-    std::vector<RowState> state;
+    std::vector<float> q_rows, acc(kRowBlock * head_size), scores;
+    std::vector<float*> out_rows;
     for (int64_t task = begin; task < end; ++task) {
       const Chunk c = chunks[task / num_kv_heads];
       const int64_t kv_head = task % num_kv_heads, rows = c.count * group;
       const int64_t first_pos = lens[c.req] - (qsl[c.req + 1] - qsl[c.req]) + c.first;  // of the first query
       q_rows.resize(rows * head_size);
-      acc.assign(rows * head_size, 0.0f);
-      state.assign(rows, RowState{});
+      out_rows.resize(rows);
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t token = qsl[c.req] + c.first + row / group, head = kv_head * group + row % group;
         const float* src = q_base + token * q_stride + head * head_size;
         float* dst = q_rows.data() + row * head_size;
 #pragma omp simd
         for (int64_t d = 0; d < head_size; ++d) dst[d] = src[d] * fscale;
+        out_rows[row] = o_base + token * out_stride + head * head_size;
       }
-      const int64_t num_keys = first_pos + c.count;  // keys the chunk's last query sees
-      const int32_t* blocks = table + c.req * bt_stride;
-      for (int64_t start = 0; start < num_keys; start += kTile) {
-        const int64_t block = blocks[start / block_size], offset = start % block_size;
-        const float* k_tile = kc + (block * num_kv_heads + kv_head) * tile + offset;
-        const float* v_tile = vc + (block * num_kv_heads + kv_head) * tile + offset * head_size;
-        const int64_t next = start + kTile;
-        if (next < num_keys) {
-          // Blocks lie anywhere in the pool, beyond the hardware prefetcher's reach: ask for the next tile now.
-          const int64_t next_block = blocks[next / block_size], next_offset = next % block_size;
-          prefetch_tile(kc + (next_block * num_kv_heads + kv_head) * tile + next_offset, head_size, block_size,
-                        vc + (next_block * num_kv_heads + kv_head) * tile + next_offset * head_size);
-        }
-        for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
-          const int64_t block_rows = std::min(kRowBlock, rows - row0);
-          int64_t visible[kRowBlock];
-          for (int64_t r = 0; r < block_rows; ++r)
-            visible[r] = std::min(kTile, first_pos + (row0 + r) / group + 1 - start);  // causal limit
-          if (visible[block_rows - 1] <= 0) continue;  // no row of the block sees this tile (later rows may)
-          const float* q = q_rows.data() + row0 * head_size;
-          float* a = acc.data() + row0 * head_size;
-          RowState* st = state.data() + row0;
-          switch (block_rows) {
-            case 4: attend_tile<4>(q, a, st, k_tile, v_tile, visible, head_size, block_size); break;
-            case 3: attend_tile<3>(q, a, st, k_tile, v_tile, visible, head_size, block_size); break;
-            case 2: attend_tile<2>(q, a, st, k_tile, v_tile, visible, head_size, block_size); break;
-            default: attend_tile<1>(q, a, st, k_tile, v_tile, visible, head_size, block_size); break;
-          }
-        }
-      }
-      for (int64_t row = 0; row < rows; ++row) {
-        const int64_t token = qsl[c.req] + c.first + row / group, head = kv_head * group + row % group;
-        float* dst = o_base + token * out_stride + head * head_size;
-        const float* a = acc.data() + row * head_size;
-        const float inv = 1.0f / state[row].sum;
-#pragma omp simd
-        for (int64_t d = 0; d < head_size; ++d) dst[d] = a[d] * inv;
-      }
+      attend_rows(q_rows.data(), rows, group, first_pos,
+                  KvTiles{kc, vc, table + c.req * bt_stride, kv_head, num_kv_heads, head_size, block_size}, scores,
+                  acc.data(), out_rows.data());
     }
   });
 }
