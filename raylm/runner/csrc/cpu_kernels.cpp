@@ -1,6 +1,6 @@
 // Fused float32 CPU kernels for the decoder's memory-bound steps: RMSNorm (with the residual add),
-// SiLU-and-mul, neox rotary (layer_ops.h), the KV cache write and paged attention (paged_attention.h), and the
-// batched LoRA product (lora_ops.h), and the few-row linear (skinny_gemm.h).
+// SiLU-and-mul, neox rotary (layer_ops.h), the KV cache write (kv_cache_write.h) and paged attention
+// (paged_attention.h), the batched LoRA product (lora_ops.h), and the few-row linear (skinny_gemm.h).
 // Plain loops written for the compiler to vectorize (-O3 -march=native); threads come from ATen's
 // pool, so torch.set_num_threads governs them as it does every other op.
 #include "layer_ops.h"
