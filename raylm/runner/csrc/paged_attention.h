@@ -214,10 +214,25 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   float* o_base = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Each thread takes a run of tasks of about equal work (query tokens x keys seen), not of equal count: requests
+  // differ in length, and the thread with the most work sets the step's pace.
+  const int64_t num_tasks = static_cast<int64_t>(chunks.size()) * num_kv_heads;
+  std::vector<int64_t> work_before(num_tasks + 1, 0);
+  for (int64_t task = 0; task < num_tasks; ++task) {
+    const Chunk c = chunks[task / num_kv_heads];
+    const int64_t keys = lens[c.req] - (qsl[c.req + 1] - qsl[c.req]) + c.first + c.count;  // the chunk's last query's
+    work_before[task + 1] = work_before[task] + c.count * keys;
+  }
+  auto first_task = [&](int64_t share, int64_t shares) {  // where the share-th of `shares` equal parts of work starts
+    return std::lower_bound(work_before.begin(), work_before.end(), work_before.back() * share / shares) -
+           work_before.begin();
+  };
+  const int64_t shares = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, shares, 1, [&](int64_t share_begin, int64_t share_end) {
     std::vector<float> q_rows, acc(kRowBlock * head_size), scores;
     std::vector<float*> out_rows;
-    for (int64_t task = begin; task < end; ++task) {
+    const int64_t end = share_end == shares ? num_tasks : first_task(share_end, shares);
+    for (int64_t task = first_task(share_begin, shares); task < end; ++task) {
       const Chunk c = chunks[task / num_kv_heads];
       const int64_t kv_head = task % num_kv_heads, rows = c.count * group;
       const int64_t first_pos = lens[c.req] - (qsl[c.req + 1] - qsl[c.req]) + c.first;  // of the first query
