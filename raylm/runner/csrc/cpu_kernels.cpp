@@ -8,14 +8,17 @@
 #include "paged_attention.h"
 #include "skinny_gemm.h"
 
+// Every kernel runs without the GIL (after its arguments are read): the engine's other Python threads (a server's
+// event loop, async scheduling) run meanwhile, as they do during torch's own ops.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &raylm::rms_norm);
-  m.def("fused_add_rms_norm", &raylm::fused_add_rms_norm);
-  m.def("silu_and_mul", &raylm::silu_and_mul);
-  m.def("rotary_embedding", &raylm::rotary_embedding);
-  m.def("write_kv", &raylm::write_kv);
-  m.def("paged_attention", &raylm::paged_attention);
-  m.def("add_lora", &raylm::add_lora);
-  m.def("pack_skinny", &raylm::pack_skinny);
-  m.def("skinny_linear", &raylm::skinny_linear);
+  const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("rms_norm", &raylm::rms_norm, kNoGil);
+  m.def("fused_add_rms_norm", &raylm::fused_add_rms_norm, kNoGil);
+  m.def("silu_and_mul", &raylm::silu_and_mul, kNoGil);
+  m.def("rotary_embedding", &raylm::rotary_embedding, kNoGil);
+  m.def("write_kv", &raylm::write_kv, kNoGil);
+  m.def("paged_attention", &raylm::paged_attention, kNoGil);
+  m.def("add_lora", &raylm::add_lora, kNoGil);
+  m.def("pack_skinny", &raylm::pack_skinny, kNoGil);
+  m.def("skinny_linear", &raylm::skinny_linear, kNoGil);
 }

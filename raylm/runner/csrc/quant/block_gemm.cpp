@@ -141,7 +141,10 @@ torch::Tensor block_dequantize(const torch::Tensor& w, const torch::Tensor& rows
 
 }  // namespace raylm
 
+// Every kernel runs without the GIL (after its arguments are read): the engine's other Python threads (a server's
+// event loop, async scheduling) run meanwhile, as they do during torch's own ops.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_gemm", &raylm::block_gemm);
-  m.def("block_dequantize", &raylm::block_dequantize);
+  const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("block_gemm", &raylm::block_gemm, kNoGil);
+  m.def("block_dequantize", &raylm::block_dequantize, kNoGil);
 }
