@@ -29,11 +29,11 @@ inline void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_c
   // threads split the tokens by lines written, and the next token's lines are requested while this one's are written.
   const int64_t lines_per_token = num_kv_heads * (head_size + head_size / kTile);  // key columns, value rows
   const int64_t grain = std::max<int64_t>(1, 256 / lines_per_token);
+  auto tile_offset = [&](int64_t slot, int64_t h) { return (slot / block_size * num_kv_heads + h) * tile; };
   auto prefetch_token = [&](int64_t t) {
     if (slots[t] < 0) return;
-    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const float* k_tile = kc + (block * num_kv_heads + h) * tile + offset;
+      const float* k_tile = kc + tile_offset(slots[t], h) + slots[t] % block_size;
       for (int64_t d = 0; d < head_size; ++d) __builtin_prefetch(k_tile + d * block_size, 1, 3);
     }
   };
@@ -41,12 +41,12 @@ inline void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_c
     for (int64_t t = begin; t < end; ++t) {
       if (t + 1 < end) prefetch_token(t + 1);
       if (slots[t] < 0) continue;
-      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      const int64_t offset = slots[t] % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const float* kt = k + t * k_stride + h * head_size;
-        float* k_tile = kc + (block * num_kv_heads + h) * tile + offset;
+        float* k_tile = kc + tile_offset(slots[t], h) + offset;
         for (int64_t d = 0; d < head_size; ++d) k_tile[d * block_size] = kt[d];
-        std::memcpy(vc + (block * num_kv_heads + h) * tile + offset * head_size, v + t * v_stride + h * head_size,
+        std::memcpy(vc + tile_offset(slots[t], h) + offset * head_size, v + t * v_stride + h * head_size,
                     head_size * sizeof(float));
       }
     }

@@ -199,14 +199,15 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
-  struct Chunk { int32_t req; int32_t first; int32_t count; };
+  // A chunk: `count` query tokens of request `req`, the first at row `token` of the batch and position `first_pos`.
+  struct Chunk { int32_t req; int32_t token; int32_t first_pos; int32_t count; };
   std::vector<Chunk> chunks;
   for (int32_t r = 0; r < seq_lens.size(0); ++r) {
-    const int32_t query_len = qsl[r + 1] - qsl[r];
+    const int32_t query_len = qsl[r + 1] - qsl[r], context_len = lens[r] - query_len;
     const auto chunk = static_cast<int32_t>(
         std::clamp<int64_t>(kScoresBytes / (group * std::max(lens[r], 1) * sizeof(float)), 1, kChunk));
     for (int32_t first = 0; first < query_len; first += chunk)
-      chunks.push_back({r, first, std::min<int32_t>(chunk, query_len - first)});
+      chunks.push_back({r, qsl[r] + first, context_len + first, std::min<int32_t>(chunk, query_len - first)});
   }
   const float* q_base = query.data_ptr<float>();
   const float* kc = key_cache.data_ptr<float>();
@@ -220,8 +221,7 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   std::vector<int64_t> work_before(num_tasks + 1, 0);
   for (int64_t task = 0; task < num_tasks; ++task) {
     const Chunk c = chunks[task / num_kv_heads];
-    const int64_t keys = lens[c.req] - (qsl[c.req + 1] - qsl[c.req]) + c.first + c.count;  // the chunk's last query's
-    work_before[task + 1] = work_before[task] + c.count * keys;
+    work_before[task + 1] = work_before[task] + int64_t{c.count} * (c.first_pos + c.count);  // x the last query's keys
   }
   auto first_task = [&](int64_t share, int64_t shares) {  // where the share-th of `shares` equal parts of work starts
     return std::lower_bound(work_before.begin(), work_before.end(), work_before.back() * share / shares) -
@@ -235,18 +235,17 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     for (int64_t task = first_task(share_begin, shares); task < end; ++task) {
       const Chunk c = chunks[task / num_kv_heads];
       const int64_t kv_head = task % num_kv_heads, rows = c.count * group;
-      const int64_t first_pos = lens[c.req] - (qsl[c.req + 1] - qsl[c.req]) + c.first;  // of the first query
       q_rows.resize(rows * head_size);
       out_rows.resize(rows);
       for (int64_t row = 0; row < rows; ++row) {
-        const int64_t token = qsl[c.req] + c.first + row / group, head = kv_head * group + row % group;
+        const int64_t token = c.token + row / group, head = kv_head * group + row % group;
         const float* src = q_base + token * q_stride + head * head_size;
         float* dst = q_rows.data() + row * head_size;
 #pragma omp simd
         for (int64_t d = 0; d < head_size; ++d) dst[d] = src[d] * fscale;
         out_rows[row] = o_base + token * out_stride + head * head_size;
       }
-      attend_rows(q_rows.data(), rows, group, first_pos,
+      attend_rows(q_rows.data(), rows, group, c.first_pos,
                   KvTiles{kc, vc, table + c.req * bt_stride, kv_head, num_kv_heads, head_size, block_size}, scores,
                   acc.data(), out_rows.data());
     }
