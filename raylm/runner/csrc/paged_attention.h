@@ -129,13 +129,19 @@ inline void accumulate_values(float* acc, const float* p, int64_t p_stride, cons
   for (int r = 0; r < R; ++r) std::fill(acc + r * head_size + d0, acc + (r + 1) * head_size, 0.0f);
   for (int64_t start = 0; start < num_keys; start += kTile) {
     const float* v_tile = tiles.value(start);
-    for (int64_t j = 0; j < std::min(kTile, num_keys - start); ++j)
+    const int64_t ahead = start + kTilesAhead * kTile;
+    // Heads under 64 floats run only this loop: it asks for the tile ahead in their place.
+    const float* ahead_tile = prefetch && d0 == 0 && ahead < num_keys ? tiles.value(ahead) : nullptr;
+    for (int64_t j = 0; j < std::min(kTile, num_keys - start); ++j) {
+      if (ahead_tile != nullptr)
+        for (int64_t i = 0; i < head_size; i += kTile) prefetch_line(ahead_tile + j * head_size + i);
       for (int r = 0; r < R; ++r) {
         const float pr = p[r * p_stride + start + j];
         float* a = acc + r * head_size;
 #pragma omp simd
         for (int64_t d = d0; d < head_size; ++d) a[d] += pr * v_tile[j * head_size + d];
       }
+    }
   }
 }
 
