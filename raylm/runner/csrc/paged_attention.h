@@ -55,6 +55,18 @@ struct KvTiles {
   const float* key(int64_t start) const { return key_cache + tile_offset(start) + start % block_size; }
   const float* value(int64_t start) const { return value_cache + tile_offset(start) + start % block_size * head_size; }
 
+  // The key or value tile kTilesAhead after the one at `start`, or null past the `num_keys` read.
+  const float* key_ahead(int64_t start, int64_t num_keys) const {
+    return start + kTilesAhead * kTile < num_keys ? key(start + kTilesAhead * kTile) : nullptr;
+  }
+  const float* value_ahead(int64_t start, int64_t num_keys) const {
+    return start + kTilesAhead * kTile < num_keys ? value(start + kTilesAhead * kTile) : nullptr;
+  }
+  // Row j (one key's head_size floats) of a value tile.
+  void prefetch_value_row(const float* v_tile, int64_t j) const {
+    for (int64_t i = 0; i < head_size; i += kTile) prefetch_line(v_tile + j * head_size + i);
+  }
+
   // Every line of the first kTilesAhead key tiles, or value tiles, of `num_keys` (a task asks at once what it reads
   // first; later tiles it asks for line by line as it reads).
   void prefetch_first_keys(int64_t num_keys) const {
@@ -63,7 +75,7 @@ struct KvTiles {
   }
   void prefetch_first_values(int64_t num_keys) const {
     for (int64_t start = 0; start < std::min(kTilesAhead * kTile, num_keys); start += kTile)
-      for (int64_t i = 0; i < kTile * head_size; i += kTile) prefetch_line(value(start) + i);
+      for (int64_t j = 0; j < kTile; ++j) prefetch_value_row(value(start), j);
   }
 };
 
@@ -106,12 +118,10 @@ inline void accumulate_values(float* acc, const float* p, int64_t p_stride, cons
     vec16 a[R][4] = {};
     for (int64_t start = 0; start < num_keys; start += kTile) {
       const float* v = tiles.value(start) + d0;
-      const int64_t ahead = start + kTilesAhead * kTile;
-      const float* ahead_tile = prefetch && d0 == 0 && ahead < num_keys ? tiles.value(ahead) : nullptr;
+      const float* ahead_tile = prefetch && d0 == 0 ? tiles.value_ahead(start, num_keys) : nullptr;
       const int64_t visible = std::min(kTile, num_keys - start);
       for (int64_t j = 0; j < visible; ++j, v += head_size) {
-        if (ahead_tile != nullptr)
-          for (int64_t i = 0; i < head_size; i += kTile) prefetch_line(ahead_tile + j * head_size + i);
+        if (ahead_tile != nullptr) tiles.prefetch_value_row(ahead_tile, j);
         const vec16 v0 = load16(v), v1 = load16(v + kTile), v2 = load16(v + 2 * kTile), v3 = load16(v + 3 * kTile);
         for (int r = 0; r < R; ++r) {
           const float pr = p[r * p_stride + start + j];
@@ -129,12 +139,10 @@ inline void accumulate_values(float* acc, const float* p, int64_t p_stride, cons
   for (int r = 0; r < R; ++r) std::fill(acc + r * head_size + d0, acc + (r + 1) * head_size, 0.0f);
   for (int64_t start = 0; start < num_keys; start += kTile) {
     const float* v_tile = tiles.value(start);
-    const int64_t ahead = start + kTilesAhead * kTile;
     // Heads under 64 floats run only this loop: it asks for the tile ahead in their place.
-    const float* ahead_tile = prefetch && d0 == 0 && ahead < num_keys ? tiles.value(ahead) : nullptr;
+    const float* ahead_tile = prefetch && d0 == 0 ? tiles.value_ahead(start, num_keys) : nullptr;
     for (int64_t j = 0; j < std::min(kTile, num_keys - start); ++j) {
-      if (ahead_tile != nullptr)
-        for (int64_t i = 0; i < head_size; i += kTile) prefetch_line(ahead_tile + j * head_size + i);
+      if (ahead_tile != nullptr) tiles.prefetch_value_row(ahead_tile, j);
       for (int r = 0; r < R; ++r) {
         const float pr = p[r * p_stride + start + j];
         float* a = acc + r * head_size;
@@ -162,8 +170,7 @@ inline void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_
   // Blocks lie anywhere in the pool, beyond the hardware prefetcher's reach: the kernel asks for each tile ahead.
   tiles.prefetch_first_keys(num_keys);
   for (int64_t start = 0; start < num_keys; start += kTile) {
-    const int64_t ahead = start + kTilesAhead * kTile;
-    const float* ahead_tile = ahead < num_keys ? tiles.key(ahead) : nullptr;
+    const float* ahead_tile = tiles.key_ahead(start, num_keys);
     const float* k_tile = tiles.key(start);
     for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
       if (start >= block_keys(row0)) continue;  // beyond every causal limit of this block (later blocks see more)
