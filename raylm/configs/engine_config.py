@@ -88,7 +88,9 @@ CUDAGraphModeName = Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FU
 
 
 class CompilationConfig(_Section):
-    enforce_eager: bool = Field(False, description="never capture CUDA graphs (cudagraph_mode NONE)")
+    enforce_eager: bool = Field(
+        False, description="never capture CUDA graphs (cudagraph_mode NONE); on CPU, run the decoder layers module "
+                           "by module (no CPU layer stack)")
     cudagraph_mode: CUDAGraphModeName | None = Field(
         None, description="vLLM's modes; None: FULL_DECODE_ONLY on CUDA, NONE on CPU unless capture sizes are given")
     cudagraph_capture_sizes: list[int] | None = Field(

@@ -41,6 +41,7 @@ from raylm.runner.kv_transfer.model_runner_hooks import (
 )
 from raylm.runner.layers.attention import Attention
 from raylm.runner.lora.worker_manager import LoRAManager
+from raylm.runner.models.cpu_layer_stack import stack_layers
 from raylm.runner.models.loader import load_model, reload_weights
 from raylm.runner.parallel_state import get_dp_group, get_pp_group
 from raylm.runner.profile_run import ProfileRun
@@ -122,6 +123,8 @@ class ModelRunner:
         if self.config.lora_config.enable_lora:
             self.lora_manager = LoRAManager(self.model, self.config.lora_config, self.buffers.max_num_tokens,
                                             self.dtype, self.device)
+        if not self.config.compilation_config.enforce_eager:
+            stack_layers(self.model)
         why_not_full = why_no_full_graphs(self.model_info.is_moe, pp.world_size > 1, self.device, self.dtype,
                                           self.attn_backend, self.uniform_decode_query_len)
         dispatcher = CudagraphDispatcher(self.config.compilation_config, self.config.scheduler_config,

@@ -1,8 +1,10 @@
 // Fused float32 CPU kernels for the decoder's memory-bound steps: RMSNorm (with the residual add),
 // SiLU-and-mul, neox rotary (layer_ops.h), the KV cache write (kv_cache_write.h) and paged attention
-// (paged_attention.h), the batched LoRA product (lora_ops.h), and the few-row linear (skinny_gemm.h).
+// (paged_attention.h), the batched LoRA product (lora_ops.h), the few-row linear (skinny_gemm.h), and a decoder
+// layer stack of them in one call (decoder_layers.h).
 // Plain loops written for the compiler to vectorize (-O3 -march=native); threads come from ATen's
 // pool, so torch.set_num_threads governs them as it does every other op.
+#include "decoder_layers.h"
 #include "layer_ops.h"
 #include "lora_ops.h"
 #include "paged_attention.h"
@@ -21,4 +23,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_lora", &raylm::add_lora, kNoGil);
   m.def("pack_skinny", &raylm::pack_skinny, kNoGil);
   m.def("skinny_linear", &raylm::skinny_linear, kNoGil);
+  m.def("decoder_layers", &raylm::decoder_layers, kNoGil);
 }

@@ -33,6 +33,8 @@ from raylm.runner.models.utils import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from raylm.runner.models.cpu_layer_stack import CpuLayerStack
+
 # The part of a packed parameter a checkpoint tensor fills: "q"/"k"/"v", an output index, or (expert id, "w1"/"w2"/"w3")
 ShardId = str | int | tuple[int, str] | None
 
@@ -130,6 +132,7 @@ class LlamaModel(nn.Module):
             config.num_hidden_layers, lambda i: layer_type(config, i), pp_rank, pp_size, partition)
         self.norm: nn.Module = (RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_rank
                                 else PPMissingLayer())
+        self.layer_stack: CpuLayerStack | None = None  # set after loading where the layers can run as one call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
@@ -138,8 +141,11 @@ class LlamaModel(nn.Module):
         else:
             assert intermediate_tensors is not None, "a non-first pipeline stage needs intermediate_tensors"
             hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        if self.layer_stack is not None and self.layer_stack.runs(positions, hidden_states):
+            hidden_states, residual = self.layer_stack.forward(positions, hidden_states, residual)
+        else:
+            for layer in islice(self.layers, self.start_layer, self.end_layer):
+                hidden_states, residual = layer(positions, hidden_states, residual)
         if not self.is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm(hidden_states, residual)
