@@ -16,6 +16,7 @@ from raylm.runner import cpu_kernels
 from raylm.runner.layers import cpu_gemm
 from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, GemmPlan
 from raylm.runner.models.cpu_layer_stack import CpuLayerStack
+from tests.avx2_kernels import avx2_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
                                 reason="needs raylm's CPU kernels and oneDNN")
@@ -81,3 +82,77 @@ def test_layers_it_cannot_run_as_written_keep_the_module_path(checkpoints: dict[
     generate(checkpoints["qwen3"])  # q/k norm inside the attention
     generate(checkpoints["llama"], custom_ops="none")  # raylm's CPU kernels off
     assert stack_rows == []
+
+
+def one_kernel_at_a_time(ops: Any, hidden: torch.Tensor, residual: torch.Tensor | None, layer_tensors: list[Any],
+                         kv_caches: list[torch.Tensor], step: dict[str, Any], dims: list[int]) -> tuple[Any, Any]:
+    """LlamaDecoderLayer.forward's kernel calls, one Python call each, as the module path makes them."""
+    num_heads, num_kv_heads, head_size, rotary_dim, hidden_size, intermediate = dims
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    n = step["num_actual_tokens"]
+    for (norm1, qkv_w, o_w, norm2, gate_up_w, down_w, qkv_b, o_b, gate_up_b, down_b), kv_cache in zip(
+            layer_tensors, kv_caches, strict=True):
+        if residual is None:
+            residual, hidden = hidden, ops.rms_norm(hidden, norm1, step["eps"])
+        else:
+            ops.fused_add_rms_norm(hidden, residual, norm1, step["eps"])
+        q, k, v = ops.skinny_linear(hidden, qkv_w, q_size + 2 * kv_size, qkv_b).split([q_size, kv_size, kv_size], -1)
+        ops.rotary_embedding(step["positions"], q, k, step["cos_sin_cache"], head_size, rotary_dim)
+        q, k, v = (t.unflatten(-1, (-1, head_size)) for t in (q, k, v))
+        ops.write_kv(k[:n], v[:n], kv_cache[0], kv_cache[1], step["slot_mapping"])
+        out = q.new_empty(q.shape)
+        out[n:].zero_()
+        ops.paged_attention(out, q, kv_cache[0], kv_cache[1], step["block_table"], step["seq_lens"],
+                            step["query_start_loc"], step["scale"])
+        hidden = ops.skinny_linear(out.flatten(1), o_w, hidden_size, o_b)
+        ops.fused_add_rms_norm(hidden, residual, norm2, step["eps"])
+        gate_up = ops.skinny_linear(hidden, gate_up_w, 2 * intermediate, gate_up_b)
+        hidden = ops.skinny_linear(ops.silu_and_mul(gate_up), down_w, hidden_size, down_b)
+    return hidden, residual
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("first_stage", [True, False], ids=["first_stage", "later_stage"])
+def test_decoder_layers_make_the_same_kernel_calls(build: str, first_stage: bool) -> None:
+    """The C++ loop against the same kernels called one by one: equal bit for bit, padding rows, biases and a later
+    pipeline stage's residual included, in this CPU's build and the AVX2 one (8-float registers, 4-row passes)."""
+    ops = cpu_kernels.load() if build == "native" else avx2_kernels()
+    if ops is None:
+        pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
+    gen = torch.Generator().manual_seed(0)
+    dims = [4, 2, 16, 16, 64, 96]  # heads, KV heads, head size, rotary dims, hidden, intermediate
+    num_heads, num_kv_heads, head_size, _, hidden_size, intermediate = dims
+    query_lens, seq_lens, num_blocks, block_size = [1, 5, 1], [9, 5, 20], 8, 16
+    n, num_tokens = sum(query_lens), sum(query_lens) + 2  # two padding rows
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.3
+
+    layer_tensors = []
+    for with_bias in (True, False):
+        linears = [((num_heads + 2 * num_kv_heads) * head_size, hidden_size), (hidden_size, num_heads * head_size),
+                   (2 * intermediate, hidden_size), (hidden_size, intermediate)]
+        packed = [ops.pack_skinny(rand(*shape)) for shape in linears]
+        biases = [rand(shape[0]) if with_bias else None for shape in linears]
+        layer_tensors.append((1 + rand(hidden_size), packed[0], packed[1], 1 + rand(hidden_size), packed[2], packed[3],
+                              *biases))
+    positions = torch.tensor([8, 0, 1, 2, 3, 4, 19, 0, 0])
+    slot_mapping = torch.tensor([8, 16, 17, 18, 19, 20, 99, -1, -1])
+    step = dict(positions=positions, slot_mapping=slot_mapping[:n], num_actual_tokens=n, scale=0.25, eps=1e-5,
+                block_table=torch.tensor([[0, 7], [1, 7], [5, 6]], dtype=torch.int32),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 1, 6, 7], dtype=torch.int32),
+                cos_sin_cache=torch.cat([torch.ones(32, 8), torch.zeros(32, 8)], 1) * 0.9 + rand(32, 16) * 0.1)
+    caches = [rand(2, num_blocks, num_kv_heads, block_size, head_size) for _ in layer_tensors]
+    hidden, residual = rand(num_tokens, hidden_size), None if first_stage else rand(num_tokens, hidden_size)
+
+    expected_caches = [cache.clone() for cache in caches]
+    expected = one_kernel_at_a_time(ops, hidden.clone(), None if residual is None else residual.clone(), layer_tensors,
+                                    expected_caches, step, dims)
+    weights = [t for layer in layer_tensors for t in layer[:6]]
+    biases = [t for layer in layer_tensors for t in layer[6:]]
+    got = ops.decoder_layers(hidden, residual, positions, weights, biases, caches, step["cos_sin_cache"],
+                             step["slot_mapping"], step["block_table"], step["seq_lens"], step["query_start_loc"], n,
+                             step["scale"], step["eps"], dims)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected_caches, strict=True))
