@@ -6,6 +6,8 @@ and process_outputs (output processing, with detokenize measured apart). The for
 second, identical run with timing hooks on the model's leaf modules; what the leaves do not cover is the forward's
 own Python (the decoder-layer loop, splits and residual adds). The two kinds of run alternate; the hooked forward's
 split (its hooks' own cost, measured on an identity module, taken out) is applied to the plain runs' forward time.
+The hooked runs take the module-by-module path (the CPU layer stack runs the layers in one call, where no hook
+fires), so with the stack on, "forward: other" is the module path's share, more than the plain runs spend.
 
     python scripts/profile_step.py                       # tiny, 5m and 100m, prefill- and decode-heavy
     python scripts/profile_step.py --shapes tiny 5m --num-requests 32
@@ -92,7 +94,8 @@ def timed_detokenize(totals: dict[str, float]) -> Iterator[None]:
 
 @contextmanager
 def timed_layers(model: torch.nn.Module, totals: dict[str, float]) -> Iterator[None]:
-    """Forward hooks on the leaf modules, adding each call's seconds to its layer type."""
+    """Forward hooks on the leaf modules, adding each call's seconds to its layer type. Hooks need the module path:
+    the CPU layer stack (one kernel call for all layers) is off meanwhile, so the split is the module path's."""
     starts: dict[int, float] = {}
 
     def make_hooks(kind: str) -> tuple[Callable[..., None], Callable[..., None]]:
@@ -111,11 +114,17 @@ def timed_layers(model: torch.nn.Module, totals: dict[str, float]) -> Iterator[N
         if kind is not None and not name.startswith("lm_head"):
             pre, post = make_hooks(kind)
             handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    inner = getattr(model, "model", None)
+    stack = getattr(inner, "layer_stack", None)
+    if stack is not None:
+        inner.layer_stack = None
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if stack is not None:
+            inner.layer_stack = stack
 
 
 def hook_overhead_seconds(calls: int = 20_000) -> float:
