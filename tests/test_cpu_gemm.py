@@ -72,8 +72,9 @@ def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_every_kernel_computes_the_linear(kernel: str, gemm_cache: Path) -> None:
-    """Each kernel alone gives F.linear's result, at row counts inside and past the skinny kernel's register block
-    (8 rows with AVX-512, 4 with AVX2) and past a bucket; a plan keeps only the packed copies it uses."""
+    """Each kernel alone gives F.linear's result, at row counts inside, at and past the skinny kernel's register
+    block (12 rows a pass with AVX-512, 4 with AVX2; 13 and 25 rows split into equal passes) and past a bucket; a plan
+    keeps only the packed copies it uses."""
     if kernel == "skinny" and cpu_kernels.load() is None:
         pytest.skip("raylm's CPU kernels could not be built here")
     torch.manual_seed(0)
@@ -86,7 +87,7 @@ def test_every_kernel_computes_the_linear(kernel: str, gemm_cache: Path) -> None
     layer.process_weights_after_loading()  # what plan_linears and sleep mode's wake-up do
     assert (layer.packed_weight is not None) == (kernel == "onednn"), "a plan without oneDNN keeps no packed copy"
     assert (layer.skinny_weight is not None) == (kernel == "skinny")
-    for rows in (1, 3, 5, 8, 13, 17, 300):
+    for rows in (1, 3, 5, 8, 12, 13, 17, 25, 300):
         x = torch.randn(rows, 96)
         for bias in (layer.bias, None):
             torch.testing.assert_close(layer.matmul(x, bias), F.linear(x, layer.weight, bias), rtol=1e-5, atol=1e-4)

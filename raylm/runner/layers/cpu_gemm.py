@@ -49,9 +49,9 @@ _MAX_TIMED_FLOPS = 4e9
 # a server CPU's last-level cache holds, so each call reads its weight from memory as in a real step.
 _COLD_MAX_ROWS = 16
 _COLD_BYTES = 96 * 2**20
-# The skinny kernel is timed up to this many rows: past the memory-bound sizes its 8-row passes (4 with AVX2) still
-# beat oneDNN on a 2-core EPYC at 32-64 rows (SmolLM2's shapes: 215-232 against 153-216 GFLOP/s); from 128 rows on,
-# they were even.
+# The skinny kernel is timed up to this many rows: past the memory-bound sizes its passes of up to 12 rows (4 with AVX2)
+# still beat oneDNN on a 2-core EPYC at 32-64 rows (SmolLM2's shapes, with 8-row passes: 215-232 against 153-216
+# GFLOP/s); from 128 rows on, they were even.
 _SKINNY_MAX_ROWS = 128
 
 Shape = tuple[int, int, bool]  # (out_features, in_features, has_bias)
@@ -169,10 +169,12 @@ def plan_linears(model: nn.Module) -> None:
         return
     dtype, threads = next(iter(layers.values()))[0].weight.dtype, torch.get_num_threads()
     shapes = sorted(layers)
-    with_skinny = skinny_ops(next(iter(layers.values()))[0].weight) is not None
+    # The kernels' build (named by their sources' hash), so that a changed skinny kernel is timed again.
+    skinny = skinny_ops(next(iter(layers.values()))[0].weight)
+    skinny_build = None if skinny is None else skinny.__name__
     key = content_key("gemm_plans", repr(shapes), str(dtype), str(threads), cpu_flags(), torch.__version__,
                       repr(ROW_BUCKETS), f"cold {_COLD_MAX_ROWS} rows {_COLD_BYTES}", f"kernels {KERNELS}",
-                      f"skinny {with_skinny} up to {_SKINNY_MAX_ROWS} rows", sys.implementation.cache_tag)
+                      f"skinny {skinny_build} up to {_SKINNY_MAX_ROWS} rows", sys.implementation.cache_tag)
     folder = cache_path("gemm_plans", key)
 
     def time_into(tmp: Path) -> dict[Shape, GemmPlan]:
