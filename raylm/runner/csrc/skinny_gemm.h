@@ -11,8 +11,8 @@ namespace raylm {
 
 constexpr int64_t kPanel = 2 * kLoraLanes;  // outputs per panel: two registers of accumulators per row
 // Rows whose accumulators fit the registers (2 per row, beside the weight's 2 and a broadcast): 32 AVX-512 registers,
-// 16 AVX2 ones. More rows take further passes over a panel, which is then in L2; the first pass reads it from memory,
-// so the more rows it feeds, the less it waits (12 rather than 8 rows a pass: 1.03-1.14x from 9 to 41 rows).
+// 16 AVX2 ones. More rows take further passes over a panel, which is then in L2: 12 rows a pass rather than 8 means
+// fewer passes, and more rows fed by the one that reads the panel from memory (1.03-1.14x from 9 to 41 rows).
 constexpr int64_t kSkinnyRows = kLoraLanes == 16 ? 12 : 4;
 
 // [out, in] -> [ceil(out / kPanel), in, kPanel], outputs past `out` zero.
