@@ -3,7 +3,7 @@ takes the skinny kernel (decode steps and short chunks).
 
 The call runs the kernels LlamaDecoderLayer.forward runs, in the same order on the same tensors, so its output is
 bit-identical; what it saves is the Python between them (module calls, views, argument checks: ~100 µs a layer,
-~3 ms of a 30-layer decode step of SmolLM2 on a 2-core EPYC). It is the CPU's counterpart of replaying a CUDA graph,
+~4 ms of a 30-layer decode step of SmolLM2 on a 2-core EPYC). It is the CPU's counterpart of replaying a CUDA graph,
 and `enforce_eager` turns it off the same way. Layers it cannot run as written (Qwen3's q/k norm, MoE, LoRA, tensor
 parallelism, a KV connector's per-layer hooks) keep the module-by-module path.
 """
