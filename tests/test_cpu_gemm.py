@@ -15,7 +15,6 @@ from raylm.runner.layers.cpu_gemm import KERNELS, ROW_BUCKETS, CpuGemmMixin, Gem
 from raylm.runner.layers.linear import LinearBase
 from raylm.runner.models.loader import load_model
 from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
-from tests.avx2_kernels import avx2_kernels
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -96,7 +95,7 @@ def test_every_kernel_computes_the_linear(kernel: str, gemm_cache: Path) -> None
 def test_the_avx2_build_of_the_skinny_kernel_computes_the_linear() -> None:
     """The AVX2 path (4 rows a pass, 8-float registers), built here whatever this CPU has beyond AVX2: F.linear's
     result inside and past a pass, past a 32-wide panel, and at the largest rows a plan times it for."""
-    ops = avx2_kernels()
+    ops = cpu_kernels.load_avx2()
     if ops is None:
         pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
     assert ops is not cpu_kernels.load()

@@ -18,7 +18,6 @@ from raylm.runner.attention import CPUAttentionBackend, TorchAttentionBackend, c
 from raylm.runner.layers.activation import SiluAndMul
 from raylm.runner.layers.layernorm import RMSNorm
 from raylm.runner.layers.rotary_embedding import RotaryEmbedding, _default_inv_freq
-from tests.avx2_kernels import avx2_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="raylm's CPU kernels could not be built here")
 
@@ -48,7 +47,19 @@ def _without_kernels(fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
 
 
-def test_rms_norm_and_fused_residual_add() -> None:
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels as this CPU builds them, or built for AVX2 alone (cpu_kernels.load_avx2: 8-float registers and
+    8-key tiles) standing in for them wherever the native build would run."""
+    if request.param == "avx2":
+        ops = cpu_kernels.load_avx2()
+        if ops is None:
+            pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
+        native = cpu_kernels.ops_for
+        monkeypatch.setattr(cpu_kernels, "ops_for", lambda x: ops if native(x) is not None else None)
+
+
+def test_rms_norm_and_fused_residual_add(kernel_build: None) -> None:
     torch.manual_seed(0)
     norm = RMSNorm(200, eps=1e-5)
     norm.weight.data.uniform_(0.5, 1.5)
@@ -62,14 +73,14 @@ def test_rms_norm_and_fused_residual_add() -> None:
     torch.testing.assert_close(norm(heads), _without_kernels(norm, heads), rtol=1e-6, atol=1e-6)
 
 
-def test_silu_and_mul() -> None:
+def test_silu_and_mul(kernel_build: None) -> None:
     torch.manual_seed(0)
     x = torch.randn(9, 2 * 301) * 8  # wide range: the vectorised exp is checked where it clamps
     torch.testing.assert_close(SiluAndMul()(x), _without_kernels(SiluAndMul(), x), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("rotary_dim", [32, 16])
-def test_rotary_in_place(rotary_dim: int) -> None:
+def test_rotary_in_place(rotary_dim: int, kernel_build: None) -> None:
     torch.manual_seed(0)
     rope = RotaryEmbedding(32, rotary_dim, 64, _default_inv_freq(10000.0, rotary_dim))
     qkv = torch.randn(7, (4 + 2 + 2) * 32)
@@ -118,20 +129,10 @@ def _logical_to_cpu_layout(logical: torch.Tensor) -> torch.Tensor:
     return torch.stack([key.view(shape[1:]), value]).contiguous()
 
 
-# (query heads, KV heads, head size): a head size off the kernel's 64-float slabs (24: its remainder loop; 80: a slab
-# and a remainder), on them (64, 128), and a group of 8 query heads per KV head, two row blocks of the kernel.
+# (query heads, KV heads, head size): head sizes off the kernel's value slabs (AVX-512's 64 floats: 24 runs its
+# remainder loop, 80 a slab and a remainder; AVX2's 16 floats at 4 rows: 24), on them (64, 128), and a group of 8
+# query heads per KV head, two row blocks of the kernel.
 HEAD_SHAPES = [(HEADS, KV_HEADS, HEAD_SIZE), (9, 3, 64), (4, 2, 80), (8, 1, 128)]
-
-
-@pytest.fixture(params=["native", "avx2"])
-def kernel_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels as this CPU builds them, or built for AVX2 alone (tests/avx2_kernels.py: 8-float registers, where
-    a row block's accumulators spill), standing in for them in the cpu backend."""
-    if request.param == "avx2":
-        ops = avx2_kernels()
-        if ops is None:
-            pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
-        monkeypatch.setattr(cpu_kernels, "ops_for", lambda x: ops)
 
 
 @pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda h: "q{}-kv{}-d{}".format(*h))

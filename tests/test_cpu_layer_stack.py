@@ -16,7 +16,6 @@ from raylm.runner import cpu_kernels
 from raylm.runner.layers import cpu_gemm
 from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, GemmPlan
 from raylm.runner.models.cpu_layer_stack import CpuLayerStack
-from tests.avx2_kernels import avx2_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
                                 reason="needs raylm's CPU kernels and oneDNN")
@@ -116,7 +115,7 @@ def one_kernel_at_a_time(ops: Any, hidden: torch.Tensor, residual: torch.Tensor 
 def test_decoder_layers_make_the_same_kernel_calls(build: str, first_stage: bool) -> None:
     """The C++ loop against the same kernels called one by one: equal bit for bit, padding rows, biases and a later
     pipeline stage's residual included, in this CPU's build and the AVX2 one (8-float registers, 4-row passes)."""
-    ops = cpu_kernels.load() if build == "native" else avx2_kernels()
+    ops = cpu_kernels.load() if build == "native" else cpu_kernels.load_avx2()
     if ops is None:
         pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
     gen = torch.Generator().manual_seed(0)

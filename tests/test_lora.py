@@ -21,7 +21,6 @@ from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.lora.punica import PunicaWrapper, SlotWeights
 from raylm.runner.lora.worker_manager import LoRAManager
 from scripts.gguf_to_safetensors import write_float32_checkpoint
-from tests.avx2_kernels import avx2_kernels
 from tests.gguf_files import write_gguf
 from tests.lora_utils import make_adapter, peft_greedy
 from tests.reference import TOP_K, check_logprobs_close
@@ -249,7 +248,7 @@ def test_lora_product_matches_the_loop_over_tokens(slots: list[int], layout: tup
     (torch's products) or with the fused CPU kernel; base-model tokens and the forward's padding rows are left exactly
     as they were."""
     torch.manual_seed(0)
-    load = {"torch": None, "cpu-kernel": cpu_kernels.load, "cpu-kernel-avx2": avx2_kernels}[path]
+    load = {"torch": None, "cpu-kernel": cpu_kernels.load, "cpu-kernel-avx2": cpu_kernels.load_avx2}[path]
     kernels = None if load is None else load()
     if load is not None and kernels is None:
         pytest.skip("raylm's CPU kernels (for AVX2: on a CPU with AVX2 + FMA) could not be built here")

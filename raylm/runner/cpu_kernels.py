@@ -68,6 +68,18 @@ def load() -> ModuleType | None:
                           "raylm: building the CPU kernels (once per machine, ~20 s)...")
 
 
+@cache
+def load_avx2() -> ModuleType | None:
+    """The same kernels built for AVX2 + FMA alone (`-march=haswell`, the last -march winning over -march=native):
+    what an AVX2-only CPU runs, for tests and benchmarks on a CPU with more. None where the CPU lacks AVX2 + FMA (it
+    could not run them) or nothing can be built."""
+    if not {"avx2", "fma"} <= set(cpu_flags().split()):
+        return None
+    return load_extension("cpu_kernels_avx2", sorted(_CSRC.glob("*.[ch]*")), "cpu_kernels.cpp",
+                          "raylm: building the CPU kernels for AVX2 (once per machine)...",
+                          extra_cflags=("-march=haswell",))
+
+
 def load_extension(kind: str, sources: list[Path], main: str, announce: str,
                    extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
     """Build the extension whose entry point is the source named `main` once per machine into the user cache

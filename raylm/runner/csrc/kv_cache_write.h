@@ -9,6 +9,7 @@ namespace raylm {
 // half stores each (block, head) tile transposed, [D, block_size], so that a block's scores vectorize
 // across keys (one query element times kTile consecutive keys per instruction). The block size must be a
 // multiple of kTile.
+constexpr int64_t kTile = kLanes;  // keys per tile: one register of scores
 
 // key/value [T, Hk, D] into the caches at slot_mapping[t] (-1: skip).
 inline void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
@@ -27,7 +28,7 @@ inline void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor key_c
   const int64_t k_stride = key.stride(0), v_stride = value.stride(0), tile = block_size * head_size;
   // Each token's key column touches head_size lines of its tiles, which a decode step finds in memory, not cache:
   // threads split the tokens by lines written, and the next token's lines are requested while this one's are written.
-  const int64_t lines_per_token = num_kv_heads * (head_size + head_size / kTile);  // key columns, value rows
+  const int64_t lines_per_token = num_kv_heads * (head_size + head_size / kLineFloats);  // key columns, value rows
   const int64_t grain = std::max<int64_t>(1, 256 / lines_per_token);
   auto tile_offset = [&](int64_t slot, int64_t h) { return (slot / block_size * num_kv_heads + h) * tile; };
   auto prefetch_token = [&](int64_t t) {

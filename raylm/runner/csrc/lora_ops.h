@@ -9,23 +9,6 @@ namespace raylm {
 
 constexpr int64_t kLoraBlock = 4;  // tokens of one slot sharing each read of the slot's weight rows
 
-// One register's floats: a wider generic vector than the machine's registers is kept on the stack by the compiler
-// (AVX2 builds ran ~10x slower with vec16 accumulators).
-#if defined(__AVX512F__)
-constexpr int64_t kLoraLanes = 16;
-#else
-constexpr int64_t kLoraLanes = 8;
-#endif
-typedef float lanes_t __attribute__((vector_size(kLoraLanes * sizeof(float))));
-
-inline lanes_t load_lanes(const float* p) {
-  lanes_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store_lanes(float* p, lanes_t v) { std::memcpy(p, &v, sizeof(v)); }
-
 // shrunk[t][c] = sum_k x_rows[t][k] * a[k][c] for the block's N tokens over one register of columns from c: one
 // accumulator per token kept in a register over all of k (N is a template argument so that they stay there), so that
 // each load of a's row feeds N multiply-adds.
@@ -42,13 +25,13 @@ void shrink_columns(const float* const* x_rows, const float* a, int64_t in, int6
 template <int64_t N>
 void shrink_block(const float* const* x_rows, const float* a, int64_t in, int64_t cols, float* shrunk) {
   int64_t c = 0;
-  for (; c + kLoraLanes <= cols; c += kLoraLanes) shrink_columns<N>(x_rows, a, in, cols, c, shrunk);
+  for (; c + kLanes <= cols; c += kLanes) shrink_columns<N>(x_rows, a, in, cols, c, shrunk);
   if (c == cols) return;
-  if (cols >= kLoraLanes) {  // the last register's columns again, overlapping: stored, not added, so that is harmless
-    shrink_columns<N>(x_rows, a, in, cols, cols - kLoraLanes, shrunk);
+  if (cols >= kLanes) {  // the last register's columns again, overlapping: stored, not added, so that is harmless
+    shrink_columns<N>(x_rows, a, in, cols, cols - kLanes, shrunk);
     return;
   }
-  float acc[N][kLoraLanes] = {};  // fewer columns than a register (small ranks of one slice)
+  float acc[N][kLanes] = {};  // fewer columns than a register (small ranks of one slice)
   for (int64_t k = 0; k < in; ++k) {
     for (int64_t t = 0; t < N; ++t) {
       const float xv = x_rows[t][k];
@@ -65,7 +48,7 @@ template <int64_t N>
 void expand_block(const float* shrunk, int64_t shrunk_stride, const float* b, int64_t rank, int64_t out,
                   int64_t col_begin, int64_t col_end, float* const* y_rows) {
   int64_t c = col_begin;
-  for (; c + kLoraLanes <= col_end; c += kLoraLanes) {
+  for (; c + kLanes <= col_end; c += kLanes) {
     lanes_t acc[N];
     for (int64_t t = 0; t < N; ++t) acc[t] = load_lanes(y_rows[t] + c);
     for (int64_t r = 0; r < rank; ++r) {
@@ -76,7 +59,7 @@ void expand_block(const float* shrunk, int64_t shrunk_stride, const float* b, in
   }
   const int64_t tail = col_end - c;
   if (tail == 0) return;
-  float acc[N][kLoraLanes];
+  float acc[N][kLanes];
   for (int64_t t = 0; t < N; ++t) std::memcpy(acc[t], y_rows[t] + c, tail * sizeof(float));
   for (int64_t r = 0; r < rank; ++r) {
     const float* b_r = b + r * out + c;

@@ -19,16 +19,16 @@ inline void prefetch_line(const float* line) { __builtin_prefetch(line, 0, 1); }
 // read asks for the same line of `ahead_tile` (unless null): one request per load spreads the next tile's misses over
 // the work, where a burst of a whole tile's requests stalled the loads behind it (decode from DRAM 1.16-1.28x faster).
 template <int R>
-inline void block_scores(const float* q, const float* k_tile, int64_t head_size, int64_t block_size, vec16* scores,
+inline void block_scores(const float* q, const float* k_tile, int64_t head_size, int64_t block_size, lanes_t* scores,
                          const float* ahead_tile) {
-  vec16 even[R] = {}, odd[R] = {};  // two chains per row, so that consecutive FMAs do not wait on each other
+  lanes_t even[R] = {}, odd[R] = {};  // two chains per row, so that consecutive FMAs do not wait on each other
   int64_t d = 0;
   for (; d + 1 < head_size; d += 2) {
     if (ahead_tile != nullptr) {
       prefetch_line(ahead_tile + d * block_size);
       prefetch_line(ahead_tile + (d + 1) * block_size);
     }
-    const vec16 k0 = load16(k_tile + d * block_size), k1 = load16(k_tile + (d + 1) * block_size);
+    const lanes_t k0 = load_lanes(k_tile + d * block_size), k1 = load_lanes(k_tile + (d + 1) * block_size);
     for (int r = 0; r < R; ++r) {
       even[r] += q[r * head_size + d] * k0;
       odd[r] += q[r * head_size + d + 1] * k1;
@@ -36,7 +36,7 @@ inline void block_scores(const float* q, const float* k_tile, int64_t head_size,
   }
   if (d < head_size) {
     if (ahead_tile != nullptr) prefetch_line(ahead_tile + d * block_size);
-    const vec16 k0 = load16(k_tile + d * block_size);
+    const lanes_t k0 = load_lanes(k_tile + d * block_size);
     for (int r = 0; r < R; ++r) even[r] += q[r * head_size + d] * k0;
   }
   for (int r = 0; r < R; ++r) scores[r] = even[r] + odd[r];
@@ -64,7 +64,7 @@ struct KvTiles {
   }
   // Row j (one key's head_size floats) of a value tile.
   void prefetch_value_row(const float* v_tile, int64_t j) const {
-    for (int64_t i = 0; i < head_size; i += kTile) prefetch_line(v_tile + j * head_size + i);
+    for (int64_t i = 0; i < head_size; i += kLineFloats) prefetch_line(v_tile + j * head_size + i);
   }
 
   // Every line of the first kTilesAhead key tiles, or value tiles, of `num_keys` (a task asks at once what it reads
@@ -83,57 +83,66 @@ struct KvTiles {
 template <int R>
 inline void store_scores(const float* q, const float* k_tile, int64_t head_size, int64_t block_size, float* scores,
                          int64_t stride, const float* ahead_tile) {
-  vec16 s[R];
+  lanes_t s[R];
   block_scores<R>(q, k_tile, head_size, block_size, s, ahead_tile);
-  for (int r = 0; r < R; ++r) store16(scores + r * stride, s[r]);
+  for (int r = 0; r < R; ++r) store_lanes(scores + r * stride, s[r]);
 }
 
 // scores[0:n) = exp(scores - their max) in place, zero from n up to `stride` (a multiple of kTile); returns their sum.
 inline float softmax_row(float* scores, int64_t n, int64_t stride) {
   const int64_t last = (n - 1) / kTile * kTile;  // the vector holding the row's last key
-  const ivec16 in_view = kLanes < static_cast<int32_t>(n - last);
-  vec16 max = in_view ? load16(scores + last) : vec16{} - INFINITY;
-  for (int64_t i = 0; i < last; i += kTile) max = vmax(max, load16(scores + i));
-  const float row_max = hmax16(max);
-  vec16 sum = {};
+  const int_lanes_t in_view = lane_index() < static_cast<int32_t>(n - last);
+  lanes_t max = in_view ? load_lanes(scores + last) : broadcast(-INFINITY);
+  for (int64_t i = 0; i < last; i += kTile) max = vmax(max, load_lanes(scores + i));
+  const float row_max = hmax(max);
+  lanes_t sum = {};
   for (int64_t i = 0; i <= last; i += kTile) {
-    vec16 e = vexp16(load16(scores + i) - row_max);
-    if (i == last) e = in_view ? e : vec16{};
-    store16(scores + i, e);
+    lanes_t e = vexp(load_lanes(scores + i) - row_max);
+    if (i == last) e = in_view ? e : lanes_t{};
+    store_lanes(scores + i, e);
     sum += e;
   }
   std::fill(scores + last + kTile, scores + stride, 0.0f);
-  return hsum16(sum);
+  return hsum(sum);
 }
 
-// acc[r][:] = sum over the first num_keys keys of p[r * p_stride + key] * value[key], for R rows. Each 64-float
-// slab of the head keeps its R x 4 accumulators in registers across every key, reading each value row once. The first
-// slab of the first row block (`prefetch`) asks for the value tile kTilesAhead ahead, one row per row read.
+// Vectors of the head per value slab for R rows: the most, up to 4, whose R x slab accumulators fit in 16 of
+// AVX-512's 32 registers or 12 of AVX2's 16 (beside the slab's loads and a broadcast). AVX2 at 12, against 8 or 16:
+// decode 1.10x and 1.00x faster, prefill 1.01x and 1.20x.
+constexpr int64_t kAccumulatorRegisters = kLanes == 16 ? 16 : 12;
+constexpr int64_t slab_vectors(int64_t rows) {
+  int64_t slab = 4;
+  while (slab > 1 && rows * slab > kAccumulatorRegisters) slab /= 2;
+  return slab;
+}
+
+// acc[r][:] = sum over the first num_keys keys of p[r * p_stride + key] * value[key], for R rows. Each slab of
+// kSlab vectors of the head keeps its R x kSlab accumulators in registers across every key. The first slab of the
+// first row block (`prefetch`) asks for the value tile kTilesAhead ahead, one row per row read.
 template <int R>
 inline void accumulate_values(float* acc, const float* p, int64_t p_stride, const KvTiles& tiles, int64_t num_keys,
                               bool prefetch) {
+  constexpr int64_t kSlab = slab_vectors(R);
   const int64_t head_size = tiles.head_size;
   int64_t d0 = 0;
-  for (; d0 + 4 * kTile <= head_size; d0 += 4 * kTile) {
-    vec16 a[R][4] = {};
+  for (; d0 + kSlab * kLanes <= head_size; d0 += kSlab * kLanes) {
+    lanes_t a[R][kSlab] = {};
     for (int64_t start = 0; start < num_keys; start += kTile) {
       const float* v = tiles.value(start) + d0;
       const float* ahead_tile = prefetch && d0 == 0 ? tiles.value_ahead(start, num_keys) : nullptr;
       const int64_t visible = std::min(kTile, num_keys - start);
       for (int64_t j = 0; j < visible; ++j, v += head_size) {
         if (ahead_tile != nullptr) tiles.prefetch_value_row(ahead_tile, j);
-        const vec16 v0 = load16(v), v1 = load16(v + kTile), v2 = load16(v + 2 * kTile), v3 = load16(v + 3 * kTile);
+        lanes_t vs[kSlab];
+        for (int c = 0; c < kSlab; ++c) vs[c] = load_lanes(v + c * kLanes);
         for (int r = 0; r < R; ++r) {
           const float pr = p[r * p_stride + start + j];
-          a[r][0] += pr * v0;
-          a[r][1] += pr * v1;
-          a[r][2] += pr * v2;
-          a[r][3] += pr * v3;
+          for (int c = 0; c < kSlab; ++c) a[r][c] += pr * vs[c];
         }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) store16(acc + r * head_size + d0 + c * kTile, a[r][c]);
+      for (int c = 0; c < kSlab; ++c) store_lanes(acc + r * head_size + d0 + c * kLanes, a[r][c]);
   }
   if (d0 == head_size) return;
   for (int r = 0; r < R; ++r) std::fill(acc + r * head_size + d0, acc + (r + 1) * head_size, 0.0f);

@@ -9,11 +9,11 @@
 
 namespace raylm {
 
-constexpr int64_t kPanel = 2 * kLoraLanes;  // outputs per panel: two registers of accumulators per row
+constexpr int64_t kPanel = 2 * kLanes;  // outputs per panel: two registers of accumulators per row
 // Rows whose accumulators fit the registers (2 per row, beside the weight's 2 and a broadcast): 32 AVX-512 registers,
 // 16 AVX2 ones. More rows take further passes over a panel, which is then in L2: 12 rows a pass rather than 8 means
 // fewer passes, and more rows fed by the one that reads the panel from memory (1.03-1.14x from 9 to 41 rows).
-constexpr int64_t kSkinnyRows = kLoraLanes == 16 ? 12 : 4;
+constexpr int64_t kSkinnyRows = kLanes == 16 ? 12 : 4;
 
 // [out, in] -> [ceil(out / kPanel), in, kPanel], outputs past `out` zero.
 inline torch::Tensor pack_skinny(torch::Tensor weight) {
@@ -31,7 +31,7 @@ void skinny_panel(const float* x, int64_t x_stride, int64_t in, const float* pan
                   int64_t width, float* y, int64_t y_stride) {
   lanes_t lo[N] = {}, hi[N] = {};
   for (int64_t k = 0; k < in; ++k) {
-    const lanes_t w_lo = load_lanes(panel + k * kPanel), w_hi = load_lanes(panel + k * kPanel + kLoraLanes);
+    const lanes_t w_lo = load_lanes(panel + k * kPanel), w_hi = load_lanes(panel + k * kPanel + kLanes);
     for (int64_t m = 0; m < N; ++m) {
       const float xv = x[m * x_stride + k];
       lo[m] += xv * w_lo;
@@ -41,7 +41,7 @@ void skinny_panel(const float* x, int64_t x_stride, int64_t in, const float* pan
   for (int64_t m = 0; m < N; ++m) {
     float row[kPanel];
     store_lanes(row, lo[m]);
-    store_lanes(row + kLoraLanes, hi[m]);
+    store_lanes(row + kLanes, hi[m]);
     float* ym = y + m * y_stride + n0;
     for (int64_t j = 0; j < width; ++j) ym[j] = row[j] + (bias != nullptr ? bias[n0 + j] : 0.0f);
   }
