@@ -2,7 +2,7 @@
 (`cpu_kernels.load_avx2`, what an AVX2-only CPU runs), on SmolLM2-135M's shapes: paged attention over a prefill and
 two decode batches, SiLU-and-mul, the residual RMSNorm and the skinny linear. On an AVX-512 CPU the ratio shows what
 the AVX2 build costs here (a kernel whose AVX2 build falls far behind has lost its vectors there); on an AVX2-only
-CPU only the native column is printed.
+CPU the two builds target about the same instructions, and without AVX2 only the native column is printed.
 
 Both builds' calls interleave, each figure is the median of the rounds, and both builds' outputs are checked against
 each other first.
