@@ -59,16 +59,17 @@ inline torch::Tensor silu_and_mul(torch::Tensor x) {
       const float* gate = in + i * in_stride;
       const float* up = gate + d;
       float* oi = o + i * d;
+      auto silu_mul = [](const float* g, const float* u, float* y) {
+        const lanes_t gv = load_lanes(g);
+        store_lanes(y, gv / (1.0f + vexp(-gv)) * load_lanes(u));
+      };
       int64_t j = 0;
-      for (; j + kLanes <= d; j += kLanes) {
-        const lanes_t g = load_lanes(gate + j);
-        store_lanes(oi + j, g / (1.0f + vexp(-g)) * load_lanes(up + j));
-      }
+      for (; j + kLanes <= d; j += kLanes) silu_mul(gate + j, up + j, oi + j);
       if (j < d) {  // the row's last floats, through one register's worth of zero-padded floats
         float g[kLanes] = {}, u[kLanes] = {}, y[kLanes];
         std::copy(gate + j, gate + d, g);
         std::copy(up + j, up + d, u);
-        store_lanes(y, load_lanes(g) / (1.0f + vexp(-load_lanes(g))) * load_lanes(u));
+        silu_mul(g, u, y);
         std::copy(y, y + (d - j), oi + j);
       }
     }
