@@ -22,7 +22,8 @@ class RequestStatus(enum.IntEnum):
     # Every status after PREEMPTED is a finished one.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
-    FINISHED_ABORTED = enum.auto()
+    FINISHED_ABORTED = enum.auto()  # the client went away, or the engine shut down
+    FINISHED_ERROR = enum.auto()  # the server failed it (e.g. its grammar); `stop_reason` holds the message
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +34,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
