@@ -16,6 +16,7 @@ from raylm.cluster.default_model import resolve_model
 from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.engine_config import ResolvedConfig, SpeculativeConfig
+from raylm.configs.kv_identity import kv_identity
 from raylm.configs.kv_transfer import KVTransferConfig
 from raylm.configs.lora import resolve_lora_config
 from raylm.configs.model_info import (
@@ -25,6 +26,7 @@ from raylm.configs.model_info import (
     resolve_max_model_len,
     resolve_quantization,
 )
+from raylm.configs.parallel_checks import check_draft_tensor_parallel, check_parallel_layout
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 from raylm.executor.ray_cluster import cluster_has_gpus, initialize_ray_cluster, ray_reachable
 from raylm.runner.attention import choose_attn_backend
@@ -62,8 +64,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     max_model_len = resolve_max_model_len(model_config, model_info)
     quantization = resolve_quantization(model_config, model_info)
     dp_lockstep = model_info.is_moe and parallel.enable_expert_parallel and parallel.data_parallel_size > 1
-    _check_expert_parallel(model_info, parallel, dp_lockstep)
+    check_parallel_layout(model_info, parallel, quantization, dp_lockstep)
     lora_config = resolve_lora_config(config.lora_config, model_info, model_config.served_model_name)
+    speculative, draft_model_info = _resolve_speculative(config, model_info, max_model_len, dp_lockstep, quantization)
 
     kv_transfer = _resolve_kv_transfer(config)
     device = decide_device(model_config, parallel)
@@ -79,7 +82,6 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     # Under PP, stage 0 learns a request's sampled token only from the next SchedulerOutput, so the scheduler must
     # not plan ahead with placeholders; async scheduling still deepens the batch queue by one step.
     max_concurrent_batches = 1 if dp_lockstep else pp + int(scheduler.async_scheduling)
-    speculative, draft_model_info = _resolve_speculative(config, model_info, max_model_len, dp_lockstep)
     compilation = config.compilation_config
     grammar_backends = structured_outputs_backends(config.structured_outputs_config)
     attention_backend = choose_attn_backend(config.cache_config.attention_backend, device, _TORCH_DTYPES[dtype],
@@ -100,7 +102,8 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         routing_config=config.routing_config.model_copy(update={"routing_policy": resolve_routing_policy(config)}),
         lora_config=lora_config,
         resolved=ResolvedConfig(model_info, _num_ray_bundles(parallel), dp_lockstep,
-                                max_concurrent_batches, draft_model_info, grammar_backends),
+                                max_concurrent_batches, draft_model_info, grammar_backends,
+                                kv_identity(model_config.model, dtype, quantization)),
     )
     show_info(logger)
     logger.info("engine config: model %s (%s), device %s, dtype %s, quantization %s, attention %s, executor %s%s, "
@@ -162,20 +165,8 @@ def _executor_backend(parallel: ParallelConfig, device: str) -> str:
     return "uni"
 
 
-def _check_expert_parallel(model_info: ModelInfo, parallel: ParallelConfig, dp_lockstep: bool) -> None:
-    """Reject expert-parallel settings this checkpoint cannot honour."""
-    if not parallel.enable_expert_parallel:
-        return
-    if not model_info.is_moe:
-        raise ValueError(f"enable_expert_parallel: {model_info.architecture} has no experts (not a MoE model)")
-    ep_size = parallel.tensor_parallel_size * (parallel.data_parallel_size if dp_lockstep else 1)
-    if model_info.num_experts % ep_size:
-        raise ValueError(f"enable_expert_parallel: {model_info.num_experts} experts cannot be split evenly over "
-                         f"{ep_size} expert-parallel ranks (data_parallel_size x tensor_parallel_size)")
-
-
-def _resolve_speculative(config: EngineConfig, model_info: ModelInfo, max_model_len: int, dp_lockstep: bool
-                         ) -> tuple[SpeculativeConfig | None, ModelInfo | None]:
+def _resolve_speculative(config: EngineConfig, model_info: ModelInfo, max_model_len: int, dp_lockstep: bool,
+                         quantization: str) -> tuple[SpeculativeConfig | None, ModelInfo | None]:
     """speculative_config with vLLM's defaults filled in (ngram: prompt_lookup_min/max 5, or each the other's; draft
     TP: the target's), and the draft checkpoint's facts; combinations raylm cannot run are refused, naming why."""
     spec = config.speculative_config
@@ -219,10 +210,7 @@ def _resolve_speculative(config: EngineConfig, model_info: ModelInfo, max_model_
     if draft.max_position_embeddings < max_model_len:
         raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
                          f"({draft.max_position_embeddings}) is below max_model_len ({max_model_len})")
-    num_heads = getattr(draft.hf_config, "num_attention_heads", tp)
-    if num_heads % tp:
-        raise ValueError(f"speculative_config.model: the draft's {num_heads} attention heads cannot be split over "
-                         f"tensor_parallel_size {tp}")
+    check_draft_tensor_parallel(draft, model_info, tp, quantization, parallel.enable_expert_parallel)
     return spec.model_copy(update={"draft_tensor_parallel_size": tp}), draft
 
 

@@ -15,6 +15,7 @@ from raylm.configs.kv_transfer import KVTransferConfig, RoutingConfig
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
+    from raylm.configs.kv_identity import KVIdentity
     from raylm.configs.model_info import ModelInfo
 
 
@@ -178,6 +179,9 @@ class ResolvedConfig:
     # Grammar backends a constraint is tried against, in order (structured_outputs_backend; auto: xgrammar, then
     # guidance); empty: constrained requests are refused (a config resolved by hand, for the runner alone).
     structured_outputs_backends: tuple[str, ...] = ()
+    # What decides the values of the KV this engine computes (model, dtype, quantization): the KV connectors share
+    # KV only between engines whose identities are equal. None only in a config resolved by hand.
+    kv_identity: KVIdentity | None = None
 
 
 @dataclass(frozen=True)
