@@ -30,6 +30,7 @@ from raylm.cluster.serve import (
     start_serve,
 )
 from raylm.configs import make_engine_config
+from tests.test_error_statuses import assert_engine_failures_are_errors
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVE_CONFIG = REPO_ROOT / "raylm" / "configs" / "serve-tiny.yaml"
@@ -159,6 +160,11 @@ def test_answers_through_serve(base_url: str, application: dict[str, Any], llama
     deployments = _get_global_client().get_serve_details()["applications"][application["name"]]["deployments"]
     autoscaling = deployments[f"LLMServer:{model}"]["deployment_config"]["autoscaling_config"]
     assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (1, 2)
+
+
+def test_engine_failures_are_500s_and_error_events_through_serve(base_url: str, llama_path: Path) -> None:
+    """What the engine fails is an error through Serve's proxy too, whole (a 500) and streamed (an error event)."""
+    assert_engine_failures_are_errors(base_url, llama_path.name)
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,8 @@ from raylm.cluster.stats import LoggingStatLogger
 from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -45,7 +48,9 @@ class LLM:
                  lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
                  ) -> list[RequestOutput]:
         """`lora_request`: the adapter of every prompt, or one per prompt (None: the base model); a LoRARequest, or
-        the name of one of the lora_modules."""
+        the name of one of the lora_modules. A sequence the engine failed (its grammar, say) comes back with
+        finish_reason "error" and `error` saying why, and is logged as a warning; the other prompts' outputs are
+        whole."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = _per_prompt(sampling_params, len(prompts))
@@ -116,6 +121,10 @@ class LLM:
                 for output in self.llm_engine.step():
                     if output.finished:
                         finished[output.request_id] = output
+                        for completion in output.outputs:  # returned with the others: the error is said here
+                            if completion.error is not None:
+                                logger.warning("request %s (sequence %d) failed: %s", output.request_id,
+                                               completion.index, completion.error)
                         num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
                         rate = num_output_tokens / max(bar.format_dict["elapsed"], 1e-9)

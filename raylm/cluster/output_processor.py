@@ -192,8 +192,11 @@ class OutputProcessor:
                           else detokenizer.num_output_tokens - num_tokens_before)
 
         finish_reason, stop_reason = engine_core_output.finish_reason, engine_core_output.stop_reason
+        error = None
+        if finish_reason == "error":  # the engine's message, kept apart from what a stop is
+            error, stop_reason = str(stop_reason), None
         if stop_str is not None:
-            finish_reason, stop_reason = "stop", stop_str
+            finish_reason, stop_reason, error = "stop", stop_str, None
             if engine_core_output.finish_reason is None:
                 reqs_to_abort.append(state.request_id)
         if num_new_tokens == 0 and finish_reason is None:
@@ -227,6 +230,7 @@ class OutputProcessor:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             logprobs=logprobs,
+            error=error,
         )
 
     def _finish_child(self, state: RequestState) -> None:

@@ -34,8 +34,8 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; with "error", why
     new_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
     # The whole prompt's, with the first output token: one position per prompt token after the first.
@@ -48,10 +48,12 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    # "stop" | "length" | "abort" (the request was aborted: its client went away, or the engine shut down) | "error"
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # One dict per generated token: token id -> logprob (the sampled token and the top-n).
     logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # with finish_reason "error": why the server failed the request (e.g. its grammar)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -30,6 +30,14 @@ class OpenAIError(Exception):
         self.response = error_response(message, status, param)
 
 
+class GenerationError(OpenAIError):
+    """The engine failed a request it had taken (finish_reason "error": its grammar failed to compile, say): the
+    server's fault, a 500 whole or an error event streamed, never a 200 with what it wrote so far."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"the request failed in the server: {message}", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
 def error_response(message: str, status: HTTPStatus | int, param: str | None = None) -> ErrorResponse:
     status = HTTPStatus(status)
     error_type = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
@@ -39,6 +47,8 @@ def error_response(message: str, status: HTTPStatus | int, param: str | None = N
 def error_from_exception(err: Exception) -> ErrorResponse:
     """Bad input (ValueError, as the engine raises it) is the client's 400; an engine down is a 503."""
     if isinstance(err, OpenAIError):
+        if err.response.error.code >= HTTPStatus.INTERNAL_SERVER_ERROR:
+            logger.warning("%s", err)
         return err.response
     if isinstance(err, ValueError):
         return error_response(str(err), HTTPStatus.BAD_REQUEST)

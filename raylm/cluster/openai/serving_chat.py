@@ -27,6 +27,7 @@ from raylm.cluster.openai.serving_engine import (
     ChoiceState,
     OpenAIServing,
     clamp_logprob,
+    raise_if_failed,
     random_id,
     sse,
     sse_error,
@@ -131,6 +132,7 @@ class OpenAIServingChat(OpenAIServing):
                     num_prompt_tokens = len(output.prompt_token_ids)
                     choices = []
                     for completion in output.outputs:
+                        raise_if_failed(completion)
                         num_completion_tokens += len(completion.token_ids)
                         parser = parsers[completion.index]
                         reasoning, content, tool_calls = parser.parse_delta(completion.text)

@@ -13,6 +13,7 @@ from raylm.cluster.openai.serving_engine import (
     OpenAIServing,
     clamp_logprob,
     merge_async_iterators,
+    raise_if_failed,
     random_id,
     sse,
     sse_error,
@@ -80,6 +81,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     num_prompt_tokens[prompt_index] = len(output.prompt_token_ids)
                     choices = []
                     for completion in output.outputs:
+                        raise_if_failed(completion)
                         index = prompt_index * n + completion.index
                         num_completion_tokens += len(completion.token_ids)
                         logprobs = self._logprobs(completion.token_ids, completion.logprobs or [], request.logprobs,

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from raylm.cluster.async_llm import AsyncLLM
-from raylm.cluster.openai.errors import OpenAIError, error_from_exception
+from raylm.cluster.openai.errors import GenerationError, OpenAIError, error_from_exception
 from raylm.cluster.openai.protocol import MAX_LOGPROBS, SamplingRequest, UsageInfo
 from raylm.cluster.outputs import CompletionOutput
 from raylm.common.sampling_params import SamplingParams
@@ -50,6 +50,7 @@ class ChoiceState:
     stop_reason: int | str | None = None
 
     def add(self, completion: CompletionOutput) -> None:
+        raise_if_failed(completion)
         self.text_parts.append(completion.text)
         self.token_ids.extend(completion.token_ids)
         self.logprobs.extend(completion.logprobs or [])
@@ -107,6 +108,13 @@ class OpenAIServing:
 
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
+
+
+def raise_if_failed(completion: CompletionOutput) -> None:
+    """GenerationError for a sequence the engine failed: one failed choice fails the response (as in vLLM), and
+    leaving the output streams aborts the other choices."""
+    if completion.finish_reason == "error":
+        raise GenerationError(completion.error or "no reason given")
 
 
 def clamp_logprob(logprob: float) -> float:
