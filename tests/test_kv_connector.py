@@ -22,8 +22,10 @@ import torch
 from raylm.cluster import LLM, RequestOutput, SamplingParams
 from raylm.cluster.block_pool import hash_block_tokens
 from raylm.cluster.scheduler import Scheduler
+from raylm.common.lora_request import LoRARequest
 from raylm.runner.kv_transfer.kv_store import node_kv_store
 from tests import kv_connector_recorder
+from tests.lora_utils import make_adapter
 
 BLOCK = 16
 ENGINE = dict(max_model_len=256, block_size=BLOCK, num_gpu_blocks_override=48, max_num_seqs=8)
@@ -153,8 +155,11 @@ def test_missing_or_partial_transfer_is_recomputed(engines: dict[str, LLM]) -> N
     def missing(params: dict[str, Any]) -> dict[str, Any]:  # a transfer that never comes (decode waits 2 s)
         return params | {"remote_transfer_key": params["remote_transfer_key"] + "-gone"}
 
-    assert tokens(prefill_then_decode(prefill, decode, prompts, GREEDY, missing)) == expected
+    outputs = prefill_then_decode(prefill, decode, prompts, GREEDY, missing)
+    assert tokens(outputs) == expected
     assert tracker.num_failed_loads - failed == 2
+    # Said in each request's output, not only in the log.
+    assert all("did not arrive" in output.kv_transfer_params["kv_load_error"] for output in outputs)  # type: ignore
 
     def partial(params: dict[str, Any]) -> dict[str, Any]:  # the prefill's transfer, less its second layer
         store = ray.get_actor(params["remote_store"], namespace="raylm")
@@ -206,6 +211,81 @@ def test_offloaded_blocks_load_back_with_recomputes_tokens(engines: dict[str, LL
         assert_pool_empty(offload)
     finally:
         offload.shutdown()
+
+
+@pytest.mark.parametrize("other", [{"quantization": "int8"}, {"dtype": "bfloat16"}], ids=["int8", "bfloat16"])
+def test_pair_of_another_kv_identity_is_refused(engines: dict[str, LLM], llama_path: Path,
+                                                other: dict[str, str]) -> None:
+    """A decode engine of the same checkpoint and shapes whose KV would differ (quantized weights, another dtype)
+    refuses the prefill's KV, naming the field, recomputes, and says so in the output."""
+    [(name, value)] = other.items()
+    decode = LLM(model=str(llama_path), kv_connector="RayKVConnector", kv_role="kv_consumer", **ENGINE, **other)
+    try:
+        prompts = token_prompts((40,), seed=11)
+        expected = tokens(decode.generate(prompts, GREEDY, use_tqdm=False))
+        tracker = scheduler_of(decode).kv_transfers
+        assert tracker is not None
+        [output] = prefill_then_decode(engines["prefill"], decode, prompts, GREEDY)
+        assert tokens([output]) == expected
+        assert tracker.num_received_tokens == 0
+        assert output.kv_transfer_params is not None
+        here = {"quantization": "'none' there, 'int8' here", "dtype": "'float32' there, 'bfloat16' here"}[name]
+        assert f"the prefill's KV was refused: {name} {here}" == output.kv_transfer_params["kv_load_error"]
+        assert_pool_empty(engines["prefill"], decode)
+    finally:
+        decode.shutdown()
+
+
+def test_pair_shares_kv_only_under_the_same_lora_adapter(llama_path: Path, ray_cluster: Any,
+                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A prompt prefilled under adapter A: a decode under A takes its KV; one under B refuses it, naming the adapters,
+    and computes B's tokens."""
+    root = tmp_path_factory.mktemp("pd_adapters")
+    lora_a, lora_b = (LoRARequest(name, i + 1, str(make_adapter(llama_path, root / name, seed=40 + i, r=4)))
+                      for i, name in enumerate("ab"))
+    settings = dict(model=str(llama_path), kv_connector="RayKVConnector", enable_lora=True, max_loras=2,
+                    max_lora_rank=8, **ENGINE)
+    prefill, decode = LLM(kv_role="kv_producer", **settings), LLM(kv_role="kv_consumer", **settings)
+    try:
+        tracker = scheduler_of(decode).kv_transfers
+        assert tracker is not None
+        for lora, shared in ((lora_a, True), (lora_b, False)):
+            prompts = token_prompts((40,), seed=13 + shared)
+            expected = tokens(prefill.generate(prompts, GREEDY, lora_request=lora, use_tqdm=False))
+            [done] = prefill.generate(prompts, PREFILL, lora_request=lora_a, use_tqdm=False)
+            received = tracker.num_received_tokens
+            with_transfer = replace(GREEDY, extra_args={"kv_transfer_params": done.kv_transfer_params})
+            [out] = decode.generate(prompts, with_transfer, lora_request=lora, use_tqdm=False)
+            assert tokens([out]) == expected
+            assert tracker.num_received_tokens - received == (39 if shared else 0)
+            if not shared:
+                assert out.kv_transfer_params is not None and out.kv_transfer_params["kv_load_error"] == (
+                    f"the prefill's KV was refused: it was computed under LoRA adapter 'a@{lora_a.lora_path}', "
+                    f"here 'b@{lora_b.lora_path}'")
+        assert_pool_empty(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_offloaded_blocks_are_shared_only_by_the_same_kv_identity(llama_path: Path, ray_cluster: Any) -> None:
+    """Engines of one checkpoint on a node share its store: one of the same identity loads the evicted blocks of
+    another; one quantized int8 finds none of them."""
+    settings = dict(model=str(llama_path), kv_offloading_size=0.05, **(ENGINE | {"num_gpu_blocks_override": 24}))
+    returning, *others = token_prompts((100, 180, 180, 180), seed=12)
+    writer = LLM(**settings)
+    try:
+        for prompt in [returning, *others]:  # 12 blocks each of the 24: the returning prompt's go to the store
+            writer.generate([prompt], GREEDY, use_tqdm=False)
+        for other, cached in (({"quantization": "int8"}, 0), ({}, 96)):
+            reader = LLM(**settings, **other)
+            try:
+                [out] = reader.generate([returning], GREEDY, use_tqdm=False)
+                assert out.num_cached_tokens == cached, other  # a new engine: all it holds came from the store
+            finally:
+                reader.shutdown()
+    finally:
+        writer.shutdown()
 
 
 @ray.remote(num_cpus=0)

@@ -5,14 +5,12 @@ another process; a transfer the producer no longer holds, a producer whose chann
 a pair whose group broke are recomputed, with every block of both engines back in its pool, and the next transfer
 pairs again. Nothing goes into the object store.
 
-The prefill engine here is stepped by hand (prefill_held): with p2p its worker holds a prompt's blocks until a decode
-worker takes them, and LLM.generate waits for that too, so a caller that goes on to the decode engine only once
-generate returns would find the blocks timed out. Serve's replicas (AsyncLLM) keep stepping and need no such care."""
+Both engines run through the offline API (LLM.generate): the prefill's generate returns as its requests finish, its
+worker holding their blocks for the decode worker to pull, and frees them at its next step (finish here)."""
 from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -43,15 +41,11 @@ P2P = dict(kv_connector="RayKVConnector", kv_transport="p2p", kv_transfer_timeou
 
 
 def prefill_held(prefill: LLM, prompts: list[Any]) -> list[dict[str, Any]]:
-    """Each prompt's kv_transfer_params, as soon as its prefill has finished (its blocks still held for a consumer)."""
-    engine = prefill.llm_engine
-    request_ids = [uuid.uuid4().hex for _ in prompts]
-    for request_id, prompt in zip(request_ids, prompts):
-        engine.add_request(request_id, prompt, PREFILL, output_kind="final")
-    done: dict[str, RequestOutput] = {}
-    while len(done) < len(request_ids):
-        done |= {output.request_id: output for output in engine.step() if output.finished}
-    transfers = [done[request_id].kv_transfer_params for request_id in request_ids]
+    """Each prompt's kv_transfer_params from the prefill's LLM.generate, which returns as soon as the prefills finish
+    (their blocks still held for a consumer), not after kv_transfer_timeout_s."""
+    started = time.monotonic()
+    transfers = [output.kv_transfer_params for output in prefill.generate(prompts, PREFILL, use_tqdm=False)]
+    assert time.monotonic() - started < P2P["kv_transfer_timeout_s"], "generate waited for a consumer"
     assert all(params is not None and "remote_port" in params and "remote_store" not in params
                for params in transfers)
     return transfers  # type: ignore[return-value]
@@ -70,9 +64,14 @@ def wait_until_gone(pid: int) -> None:
 
 
 def finish(prefill: LLM) -> None:
-    """Step the prefill engine until its workers report the held blocks sent (or timed out), which frees them."""
-    while prefill.llm_engine.has_unfinished_requests():
-        prefill.llm_engine.step()
+    """Free the blocks the prefill engine held for decode workers (sent, or timed out): the engine does not step for
+    them, so its next request's steps (a one-token prompt here, as a caller's next generate) free them."""
+    tracker = scheduler_of(prefill).kv_transfers
+    assert tracker is not None
+    deadline = time.monotonic() + 30
+    while tracker.sending:
+        assert time.monotonic() < deadline, f"held blocks of {list(tracker.sending)} were never freed"
+        prefill.generate([{"prompt_token_ids": [7]}], replace(GREEDY, max_tokens=1), use_tqdm=False)
 
 
 def p2p_prefill_then_decode(prefill: LLM, decode: LLM, prompts: list[Any], params: SamplingParams,
@@ -112,6 +111,7 @@ def test_p2p_equals_colocated(engines: dict[str, LLM], params: SamplingParams) -
     assert tokens(outputs) == expected
     assert tracker.num_received_tokens - received == sum(len(p["prompt_token_ids"]) - 1 for p in prompts)
     assert tracker.num_failed_loads == failed
+    assert all(output.kv_transfer_params is None for output in outputs)  # nothing to report: every load arrived
     assert_pool_empty(engines["prefill"], engines["decode"])
     # Nothing went through the object store: no engine here made its node's KVStore.
     names = {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)}
@@ -137,6 +137,7 @@ def test_p2p_transfer_not_held_is_recomputed(engines: dict[str, LLM]) -> None:
     outputs = p2p_prefill_then_decode(prefill, decode, prompts, GREEDY, missing)
     assert tokens(outputs) == tokens(engines["colocated"].generate(prompts, GREEDY, use_tqdm=False))
     assert tracker.num_failed_loads - failed == 2
+    assert all("did not arrive" in output.kv_transfer_params["kv_load_error"] for output in outputs)  # type: ignore
     assert_pool_empty(prefill, decode)
 
 

@@ -5,7 +5,10 @@
   scheduler's admission, ahead of the waiting queue, with its tokens computed up to the first block whose load failed
   (all of them when none did): a failed load is recomputed.
 - A finished request whose blocks the connector still sends from (delay_free) keeps them until the worker reports it
-  sent; one aborted while receiving keeps them until its load ends, since the load still writes into them.
+  sent; one aborted while receiving keeps them until its load ends, since the load still writes into them. Sends that
+  wait for another engine to take the blocks (sends_wait_for_peer: RayKVConnector over p2p) do not keep the engine
+  stepping: offline, the prefill's LLM.generate returns as its requests finish, and the decode engine then pulls the
+  blocks; they are freed at the engine's next step.
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ class KVTransferTracker:
         self.num_failed_loads = 0  # requests that recompute (part of) what was to arrive
 
     def has_pending(self) -> bool:
-        return bool(self.receiving or self.ready or self.sending or self.aborted)
+        sending = bool(self.sending) and not self.connector.sends_wait_for_peer()
+        return bool(self.receiving or self.ready or sending or self.aborted)
 
     def admission_queue(self, waiting: RequestQueue) -> RequestQueue:
         """Requests whose external KV arrived (or failed) are admitted first: they hold their blocks, so behind a
@@ -123,8 +127,8 @@ class KVTransferTracker:
             request.num_computed_tokens = max(num_local, min(num_expected,
                                                              failed[0] * self.kv_cache_manager.block_size))
             self.num_failed_loads += 1
-            logger.info("request %s: %d of its tokens' KV did not arrive; they are recomputed", request.request_id,
-                        num_expected - request.num_computed_tokens)
+            logger.warning("request %s: %d of its %d tokens' KV to load did not arrive; they are recomputed",
+                           request.request_id, num_expected - request.num_computed_tokens, num_expected - num_local)
         self.num_received_tokens += request.num_computed_tokens - num_local
         request.status = RequestStatus.WAITING
         if request.num_cached_tokens < 0:

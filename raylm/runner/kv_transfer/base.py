@@ -131,6 +131,12 @@ class KVConnectorBase(ABC):
         """(keep the blocks until get_finished reports the request sent, kv_transfer_params for the caller)."""
         return False, None
 
+    def sends_wait_for_peer(self) -> bool:
+        """raylm: True when the blocks request_finished keeps (delay_free) wait for another engine to take them, not
+        for this engine's own work: the engine does not step for them (offline, LLM.generate returns as its requests
+        finish), and frees them at a later step once taken or timed out."""
+        return False
+
     def set_xfer_handshake_metadata(self, metadata: list[dict[str, Any] | None]) -> None:  # noqa: B027 (optional)
         """Every worker's get_handshake_metadata, in rank order."""
 

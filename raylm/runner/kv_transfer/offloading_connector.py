@@ -6,7 +6,9 @@ the worker to copy it out before anything overwrites it. On admission, the block
 looked up in the store; a hit loads asynchronously (the request waits in WAITING_FOR_REMOTE_KVS, the others run).
 Worker side: start_load_kv copies the evicted blocks out (one object per step, indexed by the store) and then starts
 the loads on a thread; a block gone from the store by then fails its load, and the scheduler recomputes from there.
-Blocks are keyed by the prefix-cache hash, so any engine of the same model and layout on the node can load them.
+Blocks are keyed by the prefix-cache hash (which starts from the request's LoRA adapter) in a namespace of the engine's
+KV identity (model, dtype, quantization: raylm/configs/kv_identity.py) and cache layout, so any engine on the node
+whose KV would be the same can load them, and no other.
 """
 from __future__ import annotations
 
@@ -105,14 +107,16 @@ class OffloadingConnector(KVConnectorBase):
         self.node_id = ray.get_runtime_context().get_node_id()
         self.store = node_kv_store(self.node_id)
         self.capacity_bytes = ray.get(self.store.ensure_capacity.remote(int(size * _GIB)))
-        model = self.config.model_config
+        resolved = self.config.resolved
+        assert resolved is not None and resolved.kv_identity is not None, "resolve_engine_config first"
         shapes = [tuple(layer.shape[2:]) for layer in self.layers]
-        self.namespace = hashlib.sha256(repr((model.model, model.dtype, self.block_size, shapes,
+        self.namespace = hashlib.sha256(repr((resolved.kv_identity.digest, self.block_size, shapes,
                                               self.config.cache_config.attention_backend)).encode()).hexdigest()[:16]
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-offload")
         self._loader = ThreadPoolExecutor(2, thread_name_prefix="raylm-kv-load")
         self._lock = threading.Condition()
         self._finished_recving: set[str] = set()
+        self._failed: dict[str, list[int]] = {}  # request -> its blocks not loaded, until its load is reported
         self._invalid: set[int] = set()
         self._num_loading = 0
 
@@ -144,6 +148,9 @@ class OffloadingConnector(KVConnectorBase):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
             recving, self._finished_recving = self._finished_recving, set()
+            # A failed load's blocks go with its request's report, never a step before it.
+            for request_id in recving:
+                self._invalid.update(self._failed.pop(request_id, ()))
         return None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -186,7 +193,7 @@ class OffloadingConnector(KVConnectorBase):
                              len(hashes), request_id)
             loaded = 0
         with self._lock:
-            self._invalid.update(block_ids[loaded:])
+            self._failed[request_id] = block_ids[loaded:]
             self._finished_recving.add(request_id)
             self._num_loading -= 1
             self._lock.notify_all()

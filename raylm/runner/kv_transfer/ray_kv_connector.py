@@ -12,8 +12,14 @@ stay held (delay_free) until the puts are done. kv_transport p2p: wait_for_save 
 a decode worker has taken them over a direct channel (p2p_channel.py) or kv_transfer_timeout_s passes. Consumer: the
 prompt's tokens but the last are external; the request waits in WAITING_FOR_REMOTE_KVS while a thread takes the
 transfer the params name (from that KVStore, or from the prefill worker), layer by layer, into the blocks past its own
-prefix-cache hit; the last prompt token is computed here and gives the first sampled token. A transfer that does not
-come, lacks layers or does not match the prompt is recomputed. The KV never passes through a driver.
+prefix-cache hit; the last prompt token is computed here and gives the first sampled token. The KV never passes through
+a driver.
+
+The pair check: the params carry the prefill engine's KV identity (model, checkpoint, dtype, quantization:
+raylm/configs/kv_identity.py), the request's LoRA adapter, its token count, block size, layer count and a digest of
+its prompt; a decode engine whose own differ refuses the KV, naming what differs. A refused transfer, or one that does
+not come or lacks layers, is recomputed, logged as a warning, and said in the finished request's kv_transfer_params
+(`kv_load_error`).
 """
 from __future__ import annotations
 
@@ -27,12 +33,13 @@ from typing import Any
 import ray
 import torch
 
+from raylm.common.kv_transfer import KVConnectorOutput
 from raylm.common.outputs import SchedulerOutput
 from raylm.runner.kv_transfer.base import KVConnectorBase, KVConnectorRole, kv_transfer_params
 from raylm.runner.kv_transfer.block_copy import gather_layer, scatter_layer
 from raylm.runner.kv_transfer.kv_store import kv_store_by_name, kv_store_name, node_kv_store
 from raylm.runner.kv_transfer.p2p_channel import P2PConsumer, P2PProducer
-from raylm.runner.kv_transfer.ray_kv_metadata import RayKVMetadata, RecvJob, SendJob, prompt_digest
+from raylm.runner.kv_transfer.ray_kv_metadata import RayKVMetadata, RecvJob, SendJob, pair_fields, pair_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,8 @@ class RayKVConnector(KVConnectorBase):
         self.timeout_s = config.kv_transfer_config.kv_transfer_timeout_s
         self.transport = config.kv_transfer_config.kv_transport
         self.num_layers = config.model_info.num_hidden_layers
+        assert config.resolved.kv_identity is not None, "resolve_engine_config first"
+        self.identity = config.resolved.kv_identity
         if role == KVConnectorRole.SCHEDULER:
             self.engine_id = uuid.uuid4().hex
             self._producing: dict[str, _Producing] = {}
@@ -61,6 +70,8 @@ class RayKVConnector(KVConnectorBase):
             # Requests that used (or could not use) their params: a preempted one recomputes (vLLM's). A request
             # whose blocks could not be allocated yet asks again at the next step.
             self._consumed: set[str] = set()
+            self._receiving: dict[str, set[int]] = {}  # request -> the blocks its transfer loads into
+            self._load_errors: dict[str, str] = {}  # request -> why its prefill's KV was not (wholly) used
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -74,10 +85,11 @@ class RayKVConnector(KVConnectorBase):
         if (not self.is_consumer or not params or not params.get("do_remote_prefill")
                 or request.request_id in self._consumed):
             return 0, False
-        problem = self._mismatch(request, params)
+        problem = pair_mismatch(request, params, self.identity, self.block_size, self.num_layers)
         if problem is not None:
             self._consumed.add(request.request_id)
-            logger.warning("request %s: the prefill's KV is not used (%s); it is recomputed", request.request_id,
+            self._load_errors[request.request_id] = f"the prefill's KV was refused: {problem}"
+            logger.warning("request %s: the prefill's KV is refused (%s); it is recomputed", request.request_id,
                            problem)
             return 0, False
         num_external = request.num_prompt_tokens - 1 - num_computed_tokens  # the last one gives the first token
@@ -94,6 +106,7 @@ class RayKVConnector(KVConnectorBase):
             self._consumed.add(request.request_id)
             last = -(-(first * self.block_size + num_external_tokens) // self.block_size)
             source = {name: params[name] for name in ("remote_store", "remote_host", "remote_port") if name in params}
+            self._receiving[request.request_id] = set(block_ids[first:last])
             self._recvs.append(RecvJob(request.request_id, params["remote_transfer_key"], source, first,
                                        block_ids[first:last], self.timeout_s))
         params = kv_transfer_params(request)
@@ -118,17 +131,28 @@ class RayKVConnector(KVConnectorBase):
         metadata, self._recvs = RayKVMetadata(sends, self._recvs), []
         return metadata
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for request_id in connector_output.finished_recving:
+            blocks = self._receiving.pop(request_id, set())
+            if blocks & connector_output.invalid_block_ids:
+                self._load_errors[request_id] = ("the prefill's KV did not arrive whole (the decode worker's log says "
+                                                 "why); the rest was recomputed")
+
+    def sends_wait_for_peer(self) -> bool:
+        return self.transport == "p2p"  # held until a decode worker pulls them; object_store puts them itself
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._found.pop(request.request_id, None)
         self._consumed.discard(request.request_id)
+        self._receiving.pop(request.request_id, None)
+        error = self._load_errors.pop(request.request_id, None)
         state = self._producing.pop(request.request_id, None)
         if state is None or not state.sent:
-            return False, None
+            return False, None if error is None else {"kv_load_error": error}
         return True, self.source | {
             "do_remote_prefill": True, "remote_transfer_key": self._key(request.request_id),
-            "remote_num_tokens": state.num_prompt_tokens,
-            "remote_block_size": self.block_size, "remote_num_layers": self.num_layers,
-            "remote_prompt_digest": prompt_digest(request.prompt_token_ids)}
+            "remote_num_tokens": state.num_prompt_tokens, "remote_block_size": self.block_size,
+            "remote_num_layers": self.num_layers, **pair_fields(request, self.identity)}
 
     def _maybe_send(self, request_id: str, state: _Producing, num_computed_after: int, sends: list[SendJob]) -> None:
         if state.sent or num_computed_after < state.num_prompt_tokens:
@@ -139,18 +163,6 @@ class RayKVConnector(KVConnectorBase):
 
     def _key(self, request_id: str) -> str:
         return f"{self.engine_id}/{request_id}"
-
-    def _mismatch(self, request: Any, params: dict[str, Any]) -> str | None:
-        expected = {"remote_num_tokens": request.num_prompt_tokens, "remote_block_size": self.block_size,
-                    "remote_num_layers": self.num_layers}
-        for name, value in expected.items():
-            if params.get(name) != value:
-                return f"{name} is {params.get(name)!r}, here {value!r}"
-        if request.num_output_tokens:
-            return "the request has output tokens already"
-        if params.get("remote_prompt_digest") != prompt_digest(request.prompt_token_ids):
-            return "it was computed for another prompt"
-        return None
 
     # ---- worker side ---------------------------------------------------------------------------
 
@@ -167,6 +179,7 @@ class RayKVConnector(KVConnectorBase):
         self._lock = threading.Condition()
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
+        self._failed: dict[str, list[int]] = {}  # request -> its blocks, while its failed load is not yet reported
         self._invalid: set[int] = set()
 
     def get_handshake_metadata(self) -> dict[str, Any]:
@@ -215,6 +228,9 @@ class RayKVConnector(KVConnectorBase):
         with self._lock:
             sending, self._finished_sending = self._finished_sending | expired, set()
             recving, self._finished_recving = self._finished_recving, set()
+            # A failed load's blocks go with its request's report, never a step before it.
+            for request_id in recving:
+                self._invalid.update(self._failed.pop(request_id, ()))
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -262,7 +278,7 @@ class RayKVConnector(KVConnectorBase):
             logger.exception("request %s: receiving its prefill's KV failed; it is recomputed", job.request_id)
         with self._lock:
             if not ok:
-                self._invalid.update(job.block_ids)
+                self._failed[job.request_id] = job.block_ids
             self._finished_recving.add(job.request_id)
             self._lock.notify_all()
 
