@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,21 @@ def test_bad_yaml(tmp_path: Path) -> None:
 def test_bad_sampling_params_name_the_field(settings: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         SamplingParams(**settings)
+
+
+def test_kv_identity_names_what_differs(llama_path: Path, tmp_path: Path) -> None:
+    """Two engines share KV only under one identity: the same checkpoint by another spelling of its path is the same;
+    another dtype, quantization, or another checkpoint put at the same path is not, and the mismatch names the field."""
+    from raylm.configs.kv_identity import kv_identity
+
+    here = kv_identity(str(llama_path), "float32", "none")
+    assert kv_identity(str(llama_path / "."), "float32", "none") == here
+    assert here.mismatch(here.as_dict()) is None
+    assert here.mismatch(kv_identity(str(llama_path), "bfloat16", "int8").as_dict()) == (
+        "dtype 'bfloat16' there, 'float32' here; quantization 'int8' there, 'none' here")
+    copy = tmp_path / "model"
+    shutil.copytree(llama_path, copy)
+    before = kv_identity(str(copy), "float32", "none")
+    with (copy / "model.safetensors").open("ab") as weights:
+        weights.write(b"\0" * 8)  # another checkpoint's weights at the same path
+    assert kv_identity(str(copy), "float32", "none").checkpoint != before.checkpoint
