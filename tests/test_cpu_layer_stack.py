@@ -62,16 +62,18 @@ def generate(path: Path, **settings: Any) -> list[tuple[list[int], Any]]:
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_stacked_steps_equal_the_module_path_bit_for_bit(arch: str, schedule: str, checkpoints: dict[str, Path],
-                                                         skinny_plans: None, stack_rows: list[int]) -> None:
-    stacked = generate(checkpoints[arch], **SCHEDULES[schedule])
+def test_stacked_steps_equal_the_module_path_bit_for_bit(arch: str, schedule: str, dtype: str,
+                                                         checkpoints: dict[str, Path], skinny_plans: None,
+                                                         stack_rows: list[int]) -> None:
+    stacked = generate(checkpoints[arch], dtype=dtype, **SCHEDULES[schedule])
     assert stack_rows and max(stack_rows) <= SKINNY_ROWS
     if schedule == "chunked_prefill":
         assert max(stack_rows) > 4, "prompt chunks (more rows than requests) took the stack too"
     taken = len(stack_rows)
-    eager = generate(checkpoints[arch], enforce_eager=True, **SCHEDULES[schedule])
+    eager = generate(checkpoints[arch], enforce_eager=True, dtype=dtype, **SCHEDULES[schedule])
     assert len(stack_rows) == taken, "enforce_eager runs module by module"
     assert stacked == eager
 
@@ -110,11 +112,13 @@ def one_kernel_at_a_time(ops: Any, hidden: torch.Tensor, residual: torch.Tensor 
     return hidden, residual
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("first_stage", [True, False], ids=["first_stage", "later_stage"])
-def test_decoder_layers_make_the_same_kernel_calls(build: str, first_stage: bool) -> None:
+def test_decoder_layers_make_the_same_kernel_calls(build: str, first_stage: bool, dtype: torch.dtype) -> None:
     """The C++ loop against the same kernels called one by one: equal bit for bit, padding rows, biases and a later
-    pipeline stage's residual included, in this CPU's build and the AVX2 one (8-float registers, 4-row passes)."""
+    pipeline stage's residual included, in this CPU's build and the AVX2 one (8-float registers, 4-row passes; in
+    bfloat16 the AVX2 build widens the weights' pairs where the native one may multiply them with AVX512-BF16)."""
     ops = cpu_kernels.load() if build == "native" else cpu_kernels.load_avx2()
     if ops is None:
         pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
@@ -125,7 +129,7 @@ def test_decoder_layers_make_the_same_kernel_calls(build: str, first_stage: bool
     n, num_tokens = sum(query_lens), sum(query_lens) + 2  # two padding rows
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.3
+        return (torch.randn(*shape, generator=gen) * 0.3).to(dtype)
 
     layer_tensors = []
     for with_bias in (True, False):
@@ -141,7 +145,7 @@ def test_decoder_layers_make_the_same_kernel_calls(build: str, first_stage: bool
                 block_table=torch.tensor([[0, 7], [1, 7], [5, 6]], dtype=torch.int32),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                 query_start_loc=torch.tensor([0, 1, 6, 7], dtype=torch.int32),
-                cos_sin_cache=torch.cat([torch.ones(32, 8), torch.zeros(32, 8)], 1) * 0.9 + rand(32, 16) * 0.1)
+                cos_sin_cache=torch.cat([torch.ones(32, 8), torch.zeros(32, 8)], 1) * 0.9 + rand(32, 16).float() * 0.1)
     caches = [rand(2, num_blocks, num_kv_heads, block_size, head_size) for _ in layer_tensors]
     hidden, residual = rand(num_tokens, hidden_size), None if first_stage else rand(num_tokens, hidden_size)
 

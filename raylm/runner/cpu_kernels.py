@@ -1,4 +1,6 @@
-"""raylm's fused float32 CPU kernels (`runner/csrc/`), built on first use.
+"""raylm's fused CPU kernels (`runner/csrc/`), built on first use: the decoder's kernels take float32 or bfloat16
+(stored bfloat16, computed float32; the linears' bfloat16 pairs by AVX512-BF16 where the build targets it), the LoRA
+product float32 only.
 
 torch's C++ extension loader compiles them once per machine (~20 s; needs a C++ compiler and ninja) into the user
 cache (configs.envs.cache_dir: ~/.cache/raylm/cpu_kernels/<key>), keyed by the sources' contents, the flags, the CPU's
@@ -121,13 +123,19 @@ def _import(name: str, library: Path) -> ModuleType:
     return module
 
 
+# The dtypes the decoder's kernels (norms, activation, rotary, attention, KV cache, skinny linear, layer stack) take.
+DECODER_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def ops_for(x: torch.Tensor) -> ModuleType | None:
-    """The kernels when they apply to `x` (a float32 CPU tensor, kernels enabled and built), else None."""
-    return ops_for_kind(x.device, x.dtype)
+    """The decoder's kernels when they apply to `x` (a float32 or bfloat16 CPU tensor, kernels enabled and built),
+    else None."""
+    return ops_for_kind(x.device, x.dtype, DECODER_DTYPES)
 
 
-def ops_for_kind(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    """The kernels when they apply to tensors of this device and dtype (float32 on the CPU), else None."""
-    if not _enabled or device.type != "cpu" or dtype != torch.float32:
+def ops_for_kind(device: torch.device, dtype: torch.dtype,
+                 dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> ModuleType | None:
+    """The kernels when they apply to tensors of this device and dtype (one of `dtypes`, on the CPU), else None."""
+    if not _enabled or device.type != "cpu" or dtype not in dtypes:
         return None
     return load()

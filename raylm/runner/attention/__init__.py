@@ -42,7 +42,7 @@ def choose_attn_backend(name: str, device_type: str, dtype: torch.dtype = torch.
     block_size (`custom_ops` False: raylm's CPU kernels are off); a named one must be able to run. Raises a
     ValueError naming the setting and why otherwise."""
     device = torch.device(device_type)
-    cpu_fits = (device.type == "cpu" and dtype == torch.float32
+    cpu_fits = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
                 and block_size % CPUAttentionBackend.block_size_multiple == 0)
     if name == "auto":
         if _flash_attn_unavailable(device, dtype, block_size) is None:
@@ -55,7 +55,7 @@ def choose_attn_backend(name: str, device_type: str, dtype: torch.dtype = torch.
         return name
     if name == CPUAttentionBackend.name:
         if not cpu_fits:
-            raise ValueError(f"attention_backend 'cpu' runs float32 on CPU with block_size a multiple of "
+            raise ValueError(f"attention_backend 'cpu' runs float32 or bfloat16 on CPU with block_size a multiple of "
                              f"{CPUAttentionBackend.block_size_multiple} (here: device {device}, "
                              f"dtype {dtype}, block_size {block_size}); use 'torch' or 'auto'")
         if not custom_ops:

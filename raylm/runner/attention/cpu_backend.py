@@ -1,4 +1,5 @@
-"""Attention over a paged KV cache with raylm's CPU kernels (`runner/cpu_kernels.py`), float32.
+"""Attention over a paged KV cache with raylm's CPU kernels (`runner/cpu_kernels.py`), in float32 or bfloat16: the
+cache holds K/V in the model's dtype (bfloat16 halves the bytes a decode step reads), scores and sums are float32.
 
 New K/V go into the cache through `slot_mapping`; then one kernel call runs causal GQA attention for every
 request, prompts included, reading each visible cached key once per KV head, with no gather and no padding.
@@ -46,7 +47,7 @@ class CPUAttentionBackend(AttentionBackend):
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         assert isinstance(metadata, CPUAttentionMetadata)
         ops = cpu_kernels.ops_for(query)
-        assert ops is not None, "the cpu attention backend needs float32 CPU tensors and its built kernels"
+        assert ops is not None, "the cpu attention backend needs float32 or bfloat16 CPU tensors and its built kernels"
         num_tokens, num_heads, head_size = query.shape
         n = metadata.num_actual_tokens
         ops.write_kv(key[:n], value[:n], kv_cache[0], kv_cache[1], metadata.slot_mapping)

@@ -1,7 +1,7 @@
-// Fused float32 CPU kernels for the decoder's memory-bound steps: RMSNorm (with the residual add),
-// SiLU-and-mul, neox rotary (layer_ops.h), the KV cache write (kv_cache_write.h) and paged attention
-// (paged_attention.h), the batched LoRA product (lora_ops.h), the few-row linear (skinny_gemm.h), and a decoder
-// layer stack of them in one call (decoder_layers.h).
+// Fused CPU kernels for the decoder's memory-bound steps, on float32 or bfloat16 tensors (computing in float32):
+// RMSNorm (with the residual add), SiLU-and-mul, neox rotary (layer_ops.h), the KV cache write (kv_cache_write.h) and
+// paged attention (paged_attention.h), the few-row linear (skinny_gemm.h), and a decoder layer stack of them in one
+// call (decoder_layers.h); the batched LoRA product (lora_ops.h), float32.
 // Plain loops written for the compiler to vectorize (-O3 -march=native); threads come from ATen's
 // pool, so torch.set_num_threads governs them as it does every other op.
 #include "decoder_layers.h"
@@ -24,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_skinny", &raylm::pack_skinny, kNoGil);
   m.def("skinny_linear", &raylm::skinny_linear, kNoGil);
   m.def("decoder_layers", &raylm::decoder_layers, kNoGil);
+  // Whether this build's bfloat16 linear multiplies pairs with vdpbf16ps (AVX512-BF16), or widens them first.
+  m.attr("native_bf16") = raylm::kNativeBf16;
 }

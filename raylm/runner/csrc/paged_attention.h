@@ -1,4 +1,5 @@
-// Paged causal GQA attention over the KV cache that kv_cache_write.h fills.
+// Paged causal GQA attention over the KV cache that kv_cache_write.h fills: float32 or bfloat16 queries, cache and
+// output, float32 scores, softmax and sums (a bfloat16 key or value row widens to float32 as it is loaded).
 #pragma once
 
 #include "kv_cache_write.h"
@@ -13,14 +14,14 @@ constexpr int64_t kTilesAhead = 2;
 
 // A line of a tile further ahead into L2, not L1 (locality 1, prefetcht2): decode batches read the tiles from DRAM,
 // and L1's few miss buffers would hold up the loads of the tile being read (1.4x faster than prefetcht0 measured).
-inline void prefetch_line(const float* line) { __builtin_prefetch(line, 0, 1); }
+inline void prefetch_line(const void* line) { __builtin_prefetch(line, 0, 1); }
 
 // scores[r] = the kTile scores of query row r (of R, rows head_size apart) against a transposed key tile. Each line
 // read asks for the same line of `ahead_tile` (unless null): one request per load spreads the next tile's misses over
 // the work, where a burst of a whole tile's requests stalled the loads behind it (decode from DRAM 1.16-1.28x faster).
-template <int R>
-inline void block_scores(const float* q, const float* k_tile, int64_t head_size, int64_t block_size, lanes_t* scores,
-                         const float* ahead_tile) {
+template <int R, typename T>
+inline void block_scores(const float* q, const T* k_tile, int64_t head_size, int64_t block_size, lanes_t* scores,
+                         const T* ahead_tile) {
   lanes_t even[R] = {}, odd[R] = {};  // two chains per row, so that consecutive FMAs do not wait on each other
   int64_t d = 0;
   for (; d + 1 < head_size; d += 2) {
@@ -43,28 +44,29 @@ inline void block_scores(const float* q, const float* k_tile, int64_t head_size,
 }
 
 // Where the key and value tiles of one request's KV head lie: `start` is a key position, a multiple of kTile.
+template <typename T>
 struct KvTiles {
-  const float* key_cache;
-  const float* value_cache;
+  const T* key_cache;
+  const T* value_cache;
   const int32_t* blocks;  // the request's block table row
   int64_t kv_head, num_kv_heads, head_size, block_size;
 
   int64_t tile_offset(int64_t start) const {
     return (blocks[start / block_size] * num_kv_heads + kv_head) * block_size * head_size;
   }
-  const float* key(int64_t start) const { return key_cache + tile_offset(start) + start % block_size; }
-  const float* value(int64_t start) const { return value_cache + tile_offset(start) + start % block_size * head_size; }
+  const T* key(int64_t start) const { return key_cache + tile_offset(start) + start % block_size; }
+  const T* value(int64_t start) const { return value_cache + tile_offset(start) + start % block_size * head_size; }
 
   // The key or value tile kTilesAhead after the one at `start`, or null past the `num_keys` read.
-  const float* key_ahead(int64_t start, int64_t num_keys) const {
+  const T* key_ahead(int64_t start, int64_t num_keys) const {
     return start + kTilesAhead * kTile < num_keys ? key(start + kTilesAhead * kTile) : nullptr;
   }
-  const float* value_ahead(int64_t start, int64_t num_keys) const {
+  const T* value_ahead(int64_t start, int64_t num_keys) const {
     return start + kTilesAhead * kTile < num_keys ? value(start + kTilesAhead * kTile) : nullptr;
   }
-  // Row j (one key's head_size floats) of a value tile.
-  void prefetch_value_row(const float* v_tile, int64_t j) const {
-    for (int64_t i = 0; i < head_size; i += kLineFloats) prefetch_line(v_tile + j * head_size + i);
+  // Row j (one key's head_size elements) of a value tile.
+  void prefetch_value_row(const T* v_tile, int64_t j) const {
+    for (int64_t i = 0; i < head_size; i += kLineElements<T>) prefetch_line(v_tile + j * head_size + i);
   }
 
   // Every line of the first kTilesAhead key tiles, or value tiles, of `num_keys` (a task asks at once what it reads
@@ -80,11 +82,11 @@ struct KvTiles {
 };
 
 // Scores of R rows against one key tile, stored at scores[r * stride].
-template <int R>
-inline void store_scores(const float* q, const float* k_tile, int64_t head_size, int64_t block_size, float* scores,
-                         int64_t stride, const float* ahead_tile) {
+template <int R, typename T>
+inline void store_scores(const float* q, const T* k_tile, int64_t head_size, int64_t block_size, float* scores,
+                         int64_t stride, const T* ahead_tile) {
   lanes_t s[R];
-  block_scores<R>(q, k_tile, head_size, block_size, s, ahead_tile);
+  block_scores<R, T>(q, k_tile, head_size, block_size, s, ahead_tile);
   for (int r = 0; r < R; ++r) store_lanes(scores + r * stride, s[r]);
 }
 
@@ -119,8 +121,8 @@ constexpr int64_t slab_vectors(int64_t rows) {
 // acc[r][:] = sum over the first num_keys keys of p[r * p_stride + key] * value[key], for R rows. Each slab of
 // kSlab vectors of the head keeps its R x kSlab accumulators in registers across every key. The first slab of the
 // first row block (`prefetch`) asks for the value tile kTilesAhead ahead, one row per row read.
-template <int R>
-inline void accumulate_values(float* acc, const float* p, int64_t p_stride, const KvTiles& tiles, int64_t num_keys,
+template <int R, typename T>
+inline void accumulate_values(float* acc, const float* p, int64_t p_stride, const KvTiles<T>& tiles, int64_t num_keys,
                               bool prefetch) {
   constexpr int64_t kSlab = slab_vectors(R);
   const int64_t head_size = tiles.head_size;
@@ -128,8 +130,8 @@ inline void accumulate_values(float* acc, const float* p, int64_t p_stride, cons
   for (; d0 + kSlab * kLanes <= head_size; d0 += kSlab * kLanes) {
     lanes_t a[R][kSlab] = {};
     for (int64_t start = 0; start < num_keys; start += kTile) {
-      const float* v = tiles.value(start) + d0;
-      const float* ahead_tile = prefetch && d0 == 0 ? tiles.value_ahead(start, num_keys) : nullptr;
+      const T* v = tiles.value(start) + d0;
+      const T* ahead_tile = prefetch && d0 == 0 ? tiles.value_ahead(start, num_keys) : nullptr;
       const int64_t visible = std::min(kTile, num_keys - start);
       for (int64_t j = 0; j < visible; ++j, v += head_size) {
         if (ahead_tile != nullptr) tiles.prefetch_value_row(ahead_tile, j);
@@ -147,16 +149,16 @@ inline void accumulate_values(float* acc, const float* p, int64_t p_stride, cons
   if (d0 == head_size) return;
   for (int r = 0; r < R; ++r) std::fill(acc + r * head_size + d0, acc + (r + 1) * head_size, 0.0f);
   for (int64_t start = 0; start < num_keys; start += kTile) {
-    const float* v_tile = tiles.value(start);
+    const T* v_tile = tiles.value(start);
     // Heads under 64 floats run only this loop: it asks for the tile ahead in their place.
-    const float* ahead_tile = prefetch && d0 == 0 ? tiles.value_ahead(start, num_keys) : nullptr;
+    const T* ahead_tile = prefetch && d0 == 0 ? tiles.value_ahead(start, num_keys) : nullptr;
     for (int64_t j = 0; j < std::min(kTile, num_keys - start); ++j) {
       if (ahead_tile != nullptr) tiles.prefetch_value_row(ahead_tile, j);
       for (int r = 0; r < R; ++r) {
         const float pr = p[r * p_stride + start + j];
         float* a = acc + r * head_size;
 #pragma omp simd
-        for (int64_t d = d0; d < head_size; ++d) a[d] += pr * v_tile[j * head_size + d];
+        for (int64_t d = d0; d < head_size; ++d) a[d] += pr * to_float(v_tile[j * head_size + d]);
       }
     }
   }
@@ -167,8 +169,9 @@ inline void accumulate_values(float* acc, const float* p, int64_t p_stride, cons
 // each key tile), then one softmax per row over whole vectors, then the values, weighted, from the same tiles. Unlike
 // an online softmax, no running max, sum and rescale per tile, which cost more than the dot products when a task
 // has a handful of rows (a decode's G heads). Writes each row's normalized output to out_rows[r].
-inline void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_t first_pos, const KvTiles& tiles,
-                        std::vector<float>& scores, float* acc, float* const* out_rows) {
+template <typename T>
+void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_t first_pos, const KvTiles<T>& tiles,
+                 std::vector<float>& scores, float* acc, T* const* out_rows) {
   const int64_t head_size = tiles.head_size, block_size = tiles.block_size;
   const int64_t num_keys = first_pos + (rows - 1) / group + 1;  // keys the last row sees
   const int64_t stride = (num_keys + kTile - 1) / kTile * kTile;
@@ -179,18 +182,18 @@ inline void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_
   // Blocks lie anywhere in the pool, beyond the hardware prefetcher's reach: the kernel asks for each tile ahead.
   tiles.prefetch_first_keys(num_keys);
   for (int64_t start = 0; start < num_keys; start += kTile) {
-    const float* ahead_tile = tiles.key_ahead(start, num_keys);
-    const float* k_tile = tiles.key(start);
+    const T* ahead_tile = tiles.key_ahead(start, num_keys);
+    const T* k_tile = tiles.key(start);
     for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
       if (start >= block_keys(row0)) continue;  // beyond every causal limit of this block (later blocks see more)
       const float* q = q_rows + row0 * head_size;
       float* s = scores.data() + row0 * stride + start;
-      const float* ask = row0 == 0 ? ahead_tile : nullptr;  // the first row block asks for the tile ahead
+      const T* ask = row0 == 0 ? ahead_tile : nullptr;  // the first row block asks for the tile ahead
       switch (std::min(kRowBlock, rows - row0)) {
-        case 4: store_scores<4>(q, k_tile, head_size, block_size, s, stride, ask); break;
-        case 3: store_scores<3>(q, k_tile, head_size, block_size, s, stride, ask); break;
-        case 2: store_scores<2>(q, k_tile, head_size, block_size, s, stride, ask); break;
-        default: store_scores<1>(q, k_tile, head_size, block_size, s, stride, ask); break;
+        case 4: store_scores<4, T>(q, k_tile, head_size, block_size, s, stride, ask); break;
+        case 3: store_scores<3, T>(q, k_tile, head_size, block_size, s, stride, ask); break;
+        case 2: store_scores<2, T>(q, k_tile, head_size, block_size, s, stride, ask); break;
+        default: store_scores<1, T>(q, k_tile, head_size, block_size, s, stride, ask); break;
       }
     }
   }
@@ -205,17 +208,17 @@ inline void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_
     }
     const float* p = scores.data() + row0 * stride;
     switch (block_rows) {
-      case 4: accumulate_values<4>(acc, p, stride, tiles, keys, row0 == 0); break;
-      case 3: accumulate_values<3>(acc, p, stride, tiles, keys, row0 == 0); break;
-      case 2: accumulate_values<2>(acc, p, stride, tiles, keys, row0 == 0); break;
-      default: accumulate_values<1>(acc, p, stride, tiles, keys, row0 == 0); break;
+      case 4: accumulate_values<4, T>(acc, p, stride, tiles, keys, row0 == 0); break;
+      case 3: accumulate_values<3, T>(acc, p, stride, tiles, keys, row0 == 0); break;
+      case 2: accumulate_values<2, T>(acc, p, stride, tiles, keys, row0 == 0); break;
+      default: accumulate_values<1, T>(acc, p, stride, tiles, keys, row0 == 0); break;
     }
     for (int64_t r = 0; r < block_rows; ++r) {
       const float inv = 1.0f / sums[r];
       const float* a = acc + r * head_size;
-      float* dst = out_rows[row0 + r];
+      T* dst = out_rows[row0 + r];
 #pragma omp simd
-      for (int64_t d = 0; d < head_size; ++d) dst[d] = a[d] * inv;
+      for (int64_t d = 0; d < head_size; ++d) dst[d] = from_float<T>(a[d] * inv);
     }
   }
 }
@@ -230,6 +233,9 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query heads must be contiguous per token");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out heads must be contiguous per token");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  check_same_dtype(out, query, "out");
+  check_same_dtype(key_cache, query, "key_cache");
+  check_same_dtype(value_cache, query, "value_cache");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
                   query_start_loc.scalar_type() == torch::kInt32,
               "block_table, seq_lens and query_start_loc must be int32");
@@ -255,10 +261,6 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     for (int32_t first = 0; first < query_len; first += chunk)
       chunks.push_back({r, qsl[r] + first, context_len + first, std::min<int32_t>(chunk, query_len - first)});
   }
-  const float* q_base = query.data_ptr<float>();
-  const float* kc = key_cache.data_ptr<float>();
-  const float* vc = value_cache.data_ptr<float>();
-  float* o_base = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
   // Each thread takes a run of tasks of about equal work (query tokens x keys seen), not of equal count: requests
@@ -274,27 +276,34 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
            work_before.begin();
   };
   const int64_t shares = std::min<int64_t>(at::get_num_threads(), num_tasks);
-  at::parallel_for(0, shares, 1, [&](int64_t share_begin, int64_t share_end) {
-    std::vector<float> q_rows, acc(kRowBlock * head_size), scores;
-    std::vector<float*> out_rows;
-    const int64_t end = share_end == shares ? num_tasks : first_task(share_end, shares);
-    for (int64_t task = first_task(share_begin, shares); task < end; ++task) {
-      const Chunk c = chunks[task / num_kv_heads];
-      const int64_t kv_head = task % num_kv_heads, rows = c.count * group;
-      q_rows.resize(rows * head_size);
-      out_rows.resize(rows);
-      for (int64_t row = 0; row < rows; ++row) {
-        const int64_t token = c.token + row / group, head = kv_head * group + row % group;
-        const float* src = q_base + token * q_stride + head * head_size;
-        float* dst = q_rows.data() + row * head_size;
+  dispatch_float(query, [&](auto tag) {
+    using T = decltype(tag);
+    const T* q_base = data_of<T>(query);
+    const T* kc = data_of<T>(key_cache);
+    const T* vc = data_of<T>(value_cache);
+    T* o_base = data_of<T>(out);
+    at::parallel_for(0, shares, 1, [&](int64_t share_begin, int64_t share_end) {
+      std::vector<float> q_rows, acc(kRowBlock * head_size), scores;
+      std::vector<T*> out_rows;
+      const int64_t end = share_end == shares ? num_tasks : first_task(share_end, shares);
+      for (int64_t task = first_task(share_begin, shares); task < end; ++task) {
+        const Chunk c = chunks[task / num_kv_heads];
+        const int64_t kv_head = task % num_kv_heads, rows = c.count * group;
+        q_rows.resize(rows * head_size);
+        out_rows.resize(rows);
+        for (int64_t row = 0; row < rows; ++row) {
+          const int64_t token = c.token + row / group, head = kv_head * group + row % group;
+          const T* src = q_base + token * q_stride + head * head_size;
+          float* dst = q_rows.data() + row * head_size;
 #pragma omp simd
-        for (int64_t d = 0; d < head_size; ++d) dst[d] = src[d] * fscale;
-        out_rows[row] = o_base + token * out_stride + head * head_size;
+          for (int64_t d = 0; d < head_size; ++d) dst[d] = to_float(src[d]) * fscale;
+          out_rows[row] = o_base + token * out_stride + head * head_size;
+        }
+        attend_rows(q_rows.data(), rows, group, c.first_pos,
+                    KvTiles<T>{kc, vc, table + c.req * bt_stride, kv_head, num_kv_heads, head_size, block_size}, scores,
+                    acc.data(), out_rows.data());
       }
-      attend_rows(q_rows.data(), rows, group, c.first_pos,
-                  KvTiles{kc, vc, table + c.req * bt_stride, kv_head, num_kv_heads, head_size, block_size}, scores,
-                  acc.data(), out_rows.data());
-    }
+    });
   });
 }
 

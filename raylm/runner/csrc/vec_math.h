@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace raylm {
@@ -20,10 +21,41 @@ constexpr int64_t kLanes = 16;
 #else
 constexpr int64_t kLanes = 8;
 #endif
-constexpr int64_t kLineFloats = 64 / sizeof(float);  // floats per cache line
+template <typename T>
+constexpr int64_t kLineElements = 64 / sizeof(T);  // elements of T per cache line
 
 typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t int_lanes_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t bits_lanes_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t bf16_lanes_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+// The kernels' element types: float32, or bfloat16 stored and float32 computed (every load widens, every store rounds).
+using bf16 = at::BFloat16;
+
+// A bfloat16 is a float32's top 16 bits: widening is a shift; narrowing rounds to nearest even (as torch does).
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    return bf16(x != x ? uint16_t{0x7fc0} : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16),
+                bf16::from_bits());
+  }
+}
+
+// x as a T holds it: rounded to bfloat16 and widened back, or x itself for float.
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
 
 inline lanes_t load_lanes(const float* p) {
   lanes_t v;
@@ -31,7 +63,41 @@ inline lanes_t load_lanes(const float* p) {
   return v;
 }
 
+inline lanes_t load_lanes(const bf16* p) {
+  bf16_lanes_t h;
+  std::memcpy(&h, p, sizeof(h));
+  const bits_lanes_t bits = __builtin_convertvector(h, bits_lanes_t) << 16;
+  lanes_t v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
 inline void store_lanes(float* p, lanes_t v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline bf16_lanes_t narrow_lanes(lanes_t v) {
+  bits_lanes_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  bits = v != v ? bits_lanes_t{} + 0x7fc0u : bits;  // NaN stays NaN
+  return __builtin_convertvector(bits, bf16_lanes_t);
+}
+
+inline void store_lanes(bf16* p, lanes_t v) {
+  const bf16_lanes_t h = narrow_lanes(v);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// v as T holds it, lane-wise (round_to's vector form).
+template <typename T>
+inline lanes_t round_lanes(lanes_t v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    bf16 h[kLanes];
+    store_lanes(h, v);
+    return load_lanes(h);
+  }
+}
 
 inline lanes_t broadcast(float x) { return lanes_t{} + x; }
 
@@ -87,8 +153,27 @@ inline int64_t rows_per_chunk(int64_t floats_per_row) {
 }
 
 inline void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16),
+              name, " must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+inline void check_same_dtype(const torch::Tensor& t, const torch::Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the activations' dtype (",
+              like.scalar_type(), "), not ", t.scalar_type());
+}
+
+// fn(T{}) with T the element type of `t`: float for float32, bf16 for bfloat16.
+template <typename F>
+inline auto dispatch_float(const torch::Tensor& t, F&& fn) {
+  if (t.scalar_type() == torch::kBFloat16) return fn(bf16{});
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, "the CPU kernels take float32 or bfloat16, not ", t.scalar_type());
+  return fn(float{});
+}
+
+template <typename T>
+inline T* data_of(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 }  // namespace raylm

@@ -1,10 +1,12 @@
 """Linear layers on CPU: for each weight shape and batch size, the kernel that measured fastest on this machine.
 
-Three kernels compute y = x W^T (+ b) in float32 accuracy: `sgemm`, torch's F.linear on the weight as stored (MKL's
-or OpenBLAS's sgemm); `onednn`, oneDNN's matmul on a copy of the weight reordered once into its blocked layout; and,
-for float32 batches of up to 128 rows with raylm's CPU kernels, `skinny` (runner/csrc/skinny_gemm.h) on a copy
-packed into panels that stream from memory in one run, each load feeding every row: on a 2-core EPYC it read the
-weights of SmolLM2's shapes at 1.3-1.9x oneDNN's rate from 1 to 8 rows.
+Three kernels compute y = x W^T (+ b), summing in float32: `sgemm`, torch's F.linear on the weight as stored (MKL's
+or OpenBLAS's sgemm; oneDNN's for bfloat16); `onednn`, oneDNN's matmul on a copy of the weight reordered once into its
+blocked layout (bfloat16 through AMX or AVX512-BF16 where the CPU has them); and, for batches of up to 128 rows with
+raylm's CPU kernels, `skinny` (runner/csrc/skinny_gemm.h) on a copy packed into panels that stream from memory in one
+run, each load feeding every row: on a 2-core EPYC it read the weights of SmolLM2's shapes at 1.3-1.9x oneDNN's rate
+from 1 to 8 rows. A bfloat16 weight's panels are half the bytes, their pairs multiplied by AVX512-BF16's dot products
+where the kernels' build has them, else widened to float32 first.
 oneDNN packs bfloat16 weights only on CPUs with the instructions its bf16 kernels need (AVX-512 BW/VL/DQ or
 AVX-NE-CONVERT; torch asks oneDNN); elsewhere a bfloat16 layer keeps a float32 copy of its weight, upcast once, and
 runs `sgemm_fp32` (x upcast, sgemm, the result cast back), 3-5x torch's own bfloat16 linear on an AVX2-only CPU.
@@ -144,8 +146,9 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 def skinny_ops(weight: torch.Tensor) -> ModuleType | None:
-    """raylm's CPU kernels where the skinny kernel applies to this weight (float32 on a CPU, kernels on), else None."""
-    return cpu_kernels.ops_for_kind(weight.device, weight.dtype)
+    """raylm's CPU kernels where the skinny kernel applies to this weight (float32 or bfloat16 on a CPU, kernels on),
+    else None."""
+    return cpu_kernels.ops_for_kind(weight.device, weight.dtype, cpu_kernels.DECODER_DTYPES)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

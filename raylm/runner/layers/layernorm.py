@@ -1,5 +1,5 @@
-"""RMSNorm with the residual add fused in, as the decoder layers thread it. On CPU in float32 one fused kernel
-does the add and the norm, in place as vLLM's `fused_add_rms_norm`."""
+"""RMSNorm with the residual add fused in, as the decoder layers thread it. On CPU in float32 or bfloat16 one fused
+kernel does the add and the norm, in place as vLLM's `fused_add_rms_norm`."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """Rotary position embedding, neox style (transformers' rotate_half: the two halves of each head rotate
-together), with a cos/sin cache indexed by position. On CPU in float32 one kernel rotates q and k in place."""
+together), with a cos/sin cache indexed by position. On CPU in float32 or bfloat16 one kernel rotates q and k in
+place."""
 from __future__ import annotations
 
 import math

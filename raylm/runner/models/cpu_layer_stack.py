@@ -1,11 +1,12 @@
 """The decoder layers of a CPU step in one kernel call (`csrc/decoder_layers.h`), where every linear of the step
 takes the skinny kernel (decode steps and short chunks).
 
-The call runs the kernels LlamaDecoderLayer.forward runs, in the same order on the same tensors, so its output is
-bit-identical; what it saves is the Python between them (module calls, views, argument checks: ~100 µs a layer,
-~4 ms of a 30-layer decode step of SmolLM2 on a 2-core EPYC). It is the CPU's counterpart of replaying a CUDA graph,
-and `enforce_eager` turns it off the same way. Layers it cannot run as written (Qwen3's q/k norm, MoE, LoRA, tensor
-parallelism, a KV connector's per-layer hooks) keep the module-by-module path.
+The call runs the kernels LlamaDecoderLayer.forward runs, in the same order on the same tensors (float32 or bfloat16,
+the model's dtype: the kernels take both), so its output is bit-identical; what it saves is the Python between them
+(module calls, views, argument checks: ~100 µs a layer, ~4 ms of a 30-layer decode step of SmolLM2 on a 2-core EPYC).
+It is the CPU's counterpart of replaying a CUDA graph, and `enforce_eager` turns it off the same way. Layers it cannot
+run as written (Qwen3's q/k norm, MoE, LoRA, tensor parallelism, a KV connector's per-layer hooks) keep the
+module-by-module path.
 """
 from __future__ import annotations
 
