@@ -142,7 +142,7 @@ def test_draft_rows_are_the_matchers_token_by_token_and_it_rolls_back(llama_path
 
     # A reference matcher, advanced draft by draft (after one accepted token, to start mid-grammar).
     first, drafts = good[0], good[1:]
-    assert manager.advance(request, first) is False
+    assert manager.accept(request, first) and manager.advance(request, first) is False
     reference = structured.compiled.result().new_grammar()
     assert reference.accept_tokens("ref", [first])
     expected = torch.zeros(len(drafts) + 1, manager.bitmask.shape[1], dtype=torch.int32)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from raylm.cluster.config_resolver import structured_outputs_backends
 from raylm.cluster.request import Request, RequestStatus
 from raylm.cluster.scheduler import Scheduler
-from raylm.cluster.structured_output import validate_structured_outputs
+from raylm.cluster.structured_output import StructuredOutputManager, validate_structured_outputs
 from raylm.cluster.structured_output.backend_xgrammar import XgrammarBackend
 from raylm.cluster.structured_output.request import StructuredOutputRequest
 from raylm.common.outputs import GrammarOutput, ModelRunnerOutput
@@ -23,6 +23,7 @@ from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 from raylm.runner.structured_output import apply_grammar_bitmask
+from tests.runner_steps import resolved_config
 
 
 def packed(allowed: list[list[int]], width: int) -> np.ndarray:
@@ -83,8 +84,40 @@ def test_compiling_grammars_hold_back_no_one(llama_path: Path) -> None:
     output = scheduler.schedule()
     assert list(output.num_scheduled_tokens) == ["slow"] and "bad" in output.finished_req_ids
     outputs = scheduler.update_from_output(output, ModelRunnerOutput(["slow"], [[]]))
-    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", "abort")]
+    # The server failed it: an error, not an abort (which is for a client that went away).
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", "error")]
     assert "failed to compile" in str(outputs[0].stop_reason) and "bad" not in scheduler.requests
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_sampled_token_the_grammar_forbids_ends_the_request_as_an_error(llama_path: Path, backend: str) -> None:
+    """The bitmask makes it impossible, so a forbidden sample means something upstream went wrong: the request ends
+    with an error naming the token and the constraint, and the token is not output (vLLM logs it and goes on)."""
+    config = resolved_config(model=str(llama_path), structured_outputs_backend=backend, max_num_seqs=4)
+    manager = StructuredOutputManager(config)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(), 128, 64, 16,
+                          structured_output_manager=manager)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=8, seed=0,
+                                                     structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+    manager.grammar_init(request)
+    assert request.structured_output_request is not None
+    request.structured_output_request.compiled.result()
+    scheduler.add_request(request)
+    tokenizer = AutoTokenizer.from_pretrained(llama_path)
+    good, bad = tokenizer.encode("abc", add_special_tokens=False)[0], tokenizer.encode("7", add_special_tokens=False)[0]
+    for token, allowed in ((good, True), (bad, False)):
+        output = scheduler.schedule()
+        grammar_output = manager.grammar_bitmask(scheduler.requests, ["r"], {})
+        assert grammar_output is not None
+        row = grammar_output.grammar_bitmask[0]
+        assert bool((int(row[token // 32]) >> (token % 32)) & 1) == allowed  # a real matcher's mask
+        outputs = scheduler.update_from_output(output, ModelRunnerOutput(["r"], [[token]]))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [("r", [], "error")]
+    message = str(outputs[0].stop_reason)
+    assert message.startswith("regex: the sampled token") and f"token {bad} ('7')" in message
+    assert "[a-z]+" in message and backend in message
+    assert request.output_token_ids == [good] and "r" not in scheduler.requests
+    manager.shutdown()
 
 
 @pytest.mark.parametrize(("params", "backend", "expected"), [

@@ -272,6 +272,9 @@ class Scheduler:
                 self.num_prompt_tokens += request.num_prompt_tokens
             num_new_tokens, finished = 0, False  # a request in self.requests is unfinished until check_stop says
             for token_id in sampled:
+                if grammar is not None and not grammar.accept(request, token_id):
+                    finished = True  # an error: the grammar forbids the token, which is dropped
+                    break
                 request.append_output_token_id(token_id)
                 num_new_tokens += 1
                 if check_stop(request) or (grammar is not None and grammar.advance(request, token_id)):
@@ -337,7 +340,7 @@ class Scheduler:
         return min(num_new_tokens, threshold) if threshold else num_new_tokens
 
     def _admit_compiled_grammars(self) -> None:
-        """Queue the requests whose grammar compiled; finish (abort) those whose grammar failed to."""
+        """Queue the requests whose grammar compiled; finish (error) those whose grammar failed to."""
         if not self.running and not self.waiting and self.waiting_for_fsm:
             self.waiting_for_fsm.wait(timeout=0.05)  # rather than spin through empty steps
         ready, ended = self.waiting_for_fsm.pop_ready(self.structured_output_manager)

@@ -19,6 +19,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     structural_tag: str | None = None  # vLLM's structural tag, as JSON text
     disable_any_whitespace: bool = False  # JSON: no whitespace beyond what the schema needs
+    whitespace_pattern: str | None = None  # JSON: a regex of the whitespace allowed between tokens (guidance only)
+    disable_fallback: bool = False  # the first of the engine's backends or an error, never the next one
     # Filled in when the request is checked (StructuredOutputManager's validation): the backend that compiles it.
     _backend: str | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -28,6 +30,12 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams needs exactly one of {list(KINDS)}; got {given or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
+        if self.whitespace_pattern is not None:
+            if self.kind not in ("json", "json_object"):
+                raise ValueError(f"whitespace_pattern applies to JSON output (json or json_object), not to "
+                                 f"{self.kind}")
+            if self.disable_any_whitespace:
+                raise ValueError("whitespace_pattern and disable_any_whitespace contradict each other: give one")
 
     @property
     def kind(self) -> StructuredOutputKind:

@@ -1,6 +1,7 @@
 """StructuredOutputManager (vLLM v1's): the engine's grammars. Compiles each request's constraint off the step loop
 (a thread pool, one compile per constraint text), gives each request its own matcher, fills the step's packed token
-bitmask while the forward runs, and advances a matcher by each token its request accepts.
+bitmask while the forward runs, and advances a matcher by each token its request samples (a token it forbids ends
+the request as an error).
 
 A matcher only ever advances by tokens appended to its request, so it is never ahead of them: tokens of a step
 discarded by preemption were never accepted, and a resumed request keeps its tokens and its matcher alike. Draft
@@ -24,6 +25,7 @@ from raylm.cluster.structured_output.validation import validate_structured_outpu
 from raylm.common.outputs import DRAFT_PLACEHOLDER, GrammarOutput, SchedulerOutput
 from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs import EngineConfig
+from raylm.configs.gguf_metadata import get_tokenizer
 
 logger = logging.getLogger(__name__)
 _CACHE_SIZE = 1024  # compiled constraints kept (an LRU over their texts)
@@ -57,7 +59,7 @@ class StructuredOutputManager:
         if params is None:
             return
         backend = validate_structured_outputs(params, self.backends)
-        key = (backend, params.kind, params.spec, params.disable_any_whitespace)
+        key = (backend, params.kind, params.spec, params.disable_any_whitespace, params.whitespace_pattern)
         future = self._compiled.get(key)
         if future is None:
             future = self._compiled[key] = self.executor.submit(self._compile, backend, params)
@@ -82,9 +84,9 @@ class StructuredOutputManager:
             if backend is not None:
                 return backend
             if self._tokenizer is None:
-                from transformers import AutoTokenizer
-
-                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
+                # The engine's own loader (LLMEngine's), so that the grammar and the detokenizer see one vocabulary on
+                # every model path: a folder, a GGUF file, a `tokenizer` override, a hub id.
+                self._tokenizer = get_tokenizer(self.tokenizer_name)
                 self.reasoner = get_reasoning_parser(self.config.reasoning_parser, self._tokenizer)
             vocab_size = self.model_info.vocab_size
             if name == "xgrammar":
@@ -189,8 +191,26 @@ class StructuredOutputManager:
         assert self.reasoner is not None
         return self.reasoner.is_reasoning_end([*request.output_token_ids, *drafts])
 
+    def accept(self, request: Request, token_id: int) -> bool:
+        """Feed a sampled token to the request's matcher before it joins the request (vLLM's accept_tokens). False
+        when the grammar forbids it, which its bitmask should have made impossible: the request then ends as an
+        error naming the token and the constraint, and the token is dropped, so that no unchecked text goes out."""
+        structured = request.structured_output_request
+        if structured is None or structured.grammar is None or not structured.reasoning_ended:
+            return True  # a reasoning token is not the grammar's
+        if structured.grammar.accept_tokens(request.request_id, [token_id]):
+            return True
+        params = structured.params
+        spec = params.spec if len(params.spec) <= 200 else params.spec[:200] + "..."
+        request.status = RequestStatus.FINISHED_ERROR
+        request.stop_reason = (f"{params.kind}: the sampled token {token_id} ({self._tokenizer.decode([token_id])!r}) "
+                               f"is not allowed by the request's grammar ({params._backend}: {spec!r}) after "
+                               f"{request.num_output_tokens} output tokens")
+        logger.warning("request %s: %s", request.request_id, request.stop_reason)
+        return False
+
     def advance(self, request: Request, token_id: int) -> bool:
-        """Feed a token the request accepted to its matcher; True when the grammar ends the request (finish reason
+        """After `accept`, once the token joined the request: True when the grammar ends the request (finish reason
         stop): it terminated, or only a stop token may follow while min_tokens forbids one."""
         structured = request.structured_output_request
         if structured is None or structured.grammar is None:
@@ -200,9 +220,6 @@ class StructuredOutputManager:
             structured.reasoning_ended = self.reasoner.is_reasoning_end(request.output_token_ids)
             return False
         grammar = structured.grammar
-        if not grammar.accept_tokens(request.request_id, [token_id]):
-            logger.warning("request %s: token %d is not allowed by its grammar", request.request_id, token_id)
-            return False
         ended = grammar.is_terminated() or (
             request.num_output_tokens < request.sampling_params.min_tokens and self._only_stop_allowed(grammar))
         if ended:

@@ -25,8 +25,8 @@ class GrammarWaitList:
 
     def pop_ready(self, manager: StructuredOutputManager | None) -> tuple[list[Request], list[Request]]:
         """The requests whose grammar is done, in arrival order: (those to queue, back in status WAITING; those it
-        ends, finished: aborted when it failed to compile, stopped when it allows only a stop token that min_tokens
-        forbids)."""
+        ends, finished: an error when it failed to compile (the server's failure, not the client's abort), stopped
+        when it allows only a stop token that min_tokens forbids)."""
         if not self.requests:
             return [], []
         done = [r for r in self.requests if r.structured_output_request is None or
@@ -40,7 +40,7 @@ class GrammarWaitList:
                 request.status = RequestStatus.WAITING
                 ready.append(request)
                 continue
-            request.status = RequestStatus.FINISHED_ABORTED if error else RequestStatus.FINISHED_STOPPED
+            request.status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_STOPPED
             request.stop_reason = error
             ended.append(request)
         return ready, ended
