@@ -69,7 +69,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if any(problem["type"] == "json_invalid" for problem in problems):
             return error_json(error_response("the request body is not valid JSON", HTTPStatus.BAD_REQUEST))
         where = [".".join(str(p) for p in problem["loc"] if p != "body") for problem in problems]
-        message = "; ".join(f"{loc or 'body'}: {problem['msg']}" for loc, problem in zip(where, problems))
+        message = "; ".join(f"{loc or 'body'}: {problem['msg'].removeprefix('Value error, ')}"
+                            for loc, problem in zip(where, problems))
         # The request field at fault (not pydantic's path into a union member of it).
         param = next((str(part) for part in problems[0]["loc"] if part != "body"), None)
         return error_json(error_response(message, HTTPStatus.BAD_REQUEST, param))

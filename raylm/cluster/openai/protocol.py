@@ -1,7 +1,8 @@
 """The OpenAI wire format: pydantic models of requests and responses.
 
-Unknown request fields are accepted and ignored (load tools send extras). Sampling fields include vLLM's
-extensions (top_k, min_p, ignore_eos, min_tokens, repetition_penalty, ...).
+Sampling fields include vLLM's extensions (top_k, min_p, ignore_eos, min_tokens, repetition_penalty, ...); vLLM's
+fields raylm does not implement are refused at any value that would change something (unsupported_fields.py).
+Other fields are accepted, ignored and logged, as vLLM does (load tools send extras).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 
+from raylm.cluster.openai.protocol_messages import ChatMessage
 from raylm.cluster.openai.protocol_tools import (
     ChatCompletionTool,
     DeltaToolCall,
@@ -17,6 +19,11 @@ from raylm.cluster.openai.protocol_tools import (
     StructuredOutputsRequest,
     ToolCall,
     ToolChoice,
+)
+from raylm.cluster.openai.unsupported_fields import (
+    UnsupportedChatFields,
+    UnsupportedCompletionFields,
+    UnsupportedSamplingFields,
 )
 from raylm.common.sampling_params import FLOAT32_MAX, FLOAT32_MIN_POSITIVE, SamplingParams
 
@@ -67,14 +74,19 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = None
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(OpenAIBaseModel, UnsupportedSamplingFields):
     """The fields completions and chat share; None (or null) means the engine's default."""
 
     model_config = _REQUEST_CONFIG
 
     model: str | None = None
+    user: str | None = None  # OpenAI's end-user id, for its abuse monitoring: nothing for the engine to do
     # The ranges SamplingParams checks, stated here so that /openapi.json says them.
     n: Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), _INTEGRAL] | None = Field(
+        None, description="no beam search or reranking: only equal to n (the n sequences are the best_of)")
+    # The prompt's last k tokens (vLLM's); -1: its last max_model_len tokens.
+    truncate_prompt_tokens: Literal[-1] | Annotated[int, Field(ge=1), _INTEGRAL] | None = None
     temperature: float | None = Field(None, ge=0.0, le=FLOAT32_MAX)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: Annotated[int, Field(ge=-1), _INTEGRAL] | None = None
@@ -105,6 +117,9 @@ class SamplingRequest(OpenAIBaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError on out-of-range values."""
         settings = {name: value for name in _SAMPLING_FIELDS if (value := getattr(self, name)) is not None}
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError(f"SamplingParams.best_of must equal n ({self.n or 1}), got {self.best_of}: raylm has no "
+                             f"beam search or reranking; ask for n sequences")
         if self.logit_bias:
             try:
                 settings["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
@@ -125,39 +140,33 @@ class SamplingRequest(OpenAIBaseModel):
         return bool(options and options.include_usage and options.continuous_usage_stats)
 
 
-class CompletionRequest(SamplingRequest):
-    prompt: str | NonEmptyList[str] | NonEmptyList[JsonInt] | NonEmptyList[NonEmptyList[JsonInt]]
+class CompletionRequest(SamplingRequest, UnsupportedCompletionFields):
+    # An empty prompt is refused, as vLLM does.
+    prompt: NonEmptyStr | NonEmptyList[NonEmptyStr] | NonEmptyList[JsonInt] | NonEmptyList[NonEmptyList[JsonInt]]
+    add_special_tokens: bool = True  # the tokenizer's BOS (and such) around a text prompt
     max_tokens: Annotated[int, Field(ge=1), _INTEGRAL] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _INTEGRAL] | None = None
 
 
-class TextContentPart(OpenAIBaseModel):
-    model_config = _REQUEST_CONFIG
-    type: str = "text"
-    text: str = ""
+# Rules across fields that the server enforces, stated for /openapi.json (vLLM's rules).
+_CHAT_RULES = {"allOf": [
+    {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+    {"if": {"required": ["continue_final_message"], "properties": {"continue_final_message": {"const": True}}},
+     "then": {"required": ["add_generation_prompt"], "properties": {"add_generation_prompt": {"const": False}}}},
+]}
 
 
-class ChatMessage(OpenAIBaseModel):
-    model_config = _REQUEST_CONFIG
-    role: str
-    content: str | list[TextContentPart] | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
-    tool_call_id: str | None = None  # a tool turn: the call it answers
-    name: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content if part.type == "text")
-        return self.content or ""
-
-
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, UnsupportedChatFields):
+    model_config = _REQUEST_CONFIG | ConfigDict(json_schema_extra=_CHAT_RULES)
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1), _INTEGRAL] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1), _INTEGRAL] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _INTEGRAL] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _INTEGRAL] | None = None  # with logprobs: true
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the template leaves the last (assistant) message open, to be continued
+    add_special_tokens: bool = False  # the template writes the special tokens itself
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionTool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"

@@ -42,10 +42,12 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         await self.engine.wait_until_ready()
+        self.log_unknown_fields(request)
         constraint = request_constraint(request, self.engine.engine_config)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
-        prompt = self.engine_prompt(*self._apply_chat_template(request), "messages", max_tokens, max_tokens_param)
+        prompt = self.engine_prompt(*self._apply_chat_template(request), "messages", request, max_tokens,
+                                    max_tokens_param)
         params = self.sampling_params(request, max_tokens, self._num_logprobs(request))
         params.structured_outputs = constraint.structured_outputs
         request_id = random_id("chatcmpl")
@@ -65,6 +67,9 @@ class OpenAIServingChat(OpenAIServing):
         return self._reasoning
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        if request.continue_final_message and request.add_generation_prompt:
+            raise OpenAIError("continue_final_message: true needs add_generation_prompt: false (the last message is "
+                              "continued, not answered)", param="continue_final_message")
         tokenizer = self.engine.tokenizer
         messages = [_template_message(message) for message in request.messages]
         # Templates that take `tools` get them (as vLLM passes them); others ignore the argument.
@@ -72,11 +77,11 @@ class OpenAIServingChat(OpenAIServing):
         try:
             text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                  add_generation_prompt=request.add_generation_prompt,
+                                                 continue_final_message=request.continue_final_message,
                                                  **(request.chat_template_kwargs or {}))
         except Exception as err:  # no template, or the template rejected the messages
             raise OpenAIError(f"messages: the chat template failed: {err}", param="messages") from None
-        # The template writes the special tokens (BOS, ...) itself.
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
     def _num_logprobs(self, request: ChatCompletionRequest) -> int | None:
         if request.top_logprobs is not None:
@@ -180,13 +185,13 @@ def _template_message(message: Any) -> dict[str, Any]:
     """A message as chat templates read it: text content; tool calls with their arguments parsed (templates write
     them out as JSON themselves)."""
     entry: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.tool_calls:
+    if getattr(message, "tool_calls", None):
         entry["tool_calls"] = [
             {"id": call.id, "type": call.type,
              "function": {"name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
             for call in message.tool_calls]
     for name in ("tool_call_id", "name"):
-        if getattr(message, name) is not None:
+        if getattr(message, name, None) is not None:
             entry[name] = getattr(message, name)
     return entry
 

@@ -28,8 +28,9 @@ _Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncGenerator[str, None]:
         await self.engine.wait_until_ready()
-        prompts = [self.engine_prompt(text, ids, "prompt", request.max_tokens)
-                   for text, ids in self._tokenize(request.prompt)]
+        self.log_unknown_fields(request)
+        prompts = [self.engine_prompt(text, ids, "prompt", request, request.max_tokens)
+                   for text, ids in self._tokenize(request.prompt, request.add_special_tokens)]
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
         params.structured_outputs = request_constraint(request, self.engine.engine_config).structured_outputs
         request_id = random_id("cmpl")
@@ -40,13 +41,15 @@ class OpenAIServingCompletion(OpenAIServing):
             return self._stream(request, request_id, params.n, outputs)
         return await self._collect(request, request_id, params.n, outputs)
 
-    def _tokenize(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[str | None, list[int]]]:
+    def _tokenize(self, prompt: str | list[str] | list[int] | list[list[int]],
+                  add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise OpenAIError("prompt: give a string, a list of strings, or token ids", param="prompt")
         tokenizer = self.engine.tokenizer
-        return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+        return [(p, tokenizer.encode(p, add_special_tokens=add_special_tokens)) if isinstance(p, str)
+                else (None, list(p)) for p in prompt]
 
     async def _collect(self, request: CompletionRequest, request_id: str, n: int,
                        outputs: _Outputs) -> CompletionResponse:

@@ -3,6 +3,7 @@ choice from delta outputs, and merging the output streams of several prompts."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from raylm.cluster.outputs import CompletionOutput
 from raylm.common.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) send for -inf, which JSON cannot carry
 SSE_DONE = "data: [DONE]\n\n"
@@ -70,13 +72,16 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.engine.model_name
 
-    def engine_prompt(self, text: str | None, token_ids: list[int], param: str, max_tokens: int | None,
-                      max_tokens_param: str = "max_tokens") -> dict[str, Any]:
+    def engine_prompt(self, text: str | None, token_ids: list[int], param: str, request: SamplingRequest,
+                      max_tokens: int | None, max_tokens_param: str = "max_tokens") -> dict[str, Any]:
         """Checked here rather than in the engine so that a stream fails with a status, not in-band. Like vLLM's
         server (and unlike the offline LLM, which stops at max_model_len), a prompt plus max_tokens beyond
-        max_model_len is refused."""
+        max_model_len is refused, after truncate_prompt_tokens kept the prompt's last tokens."""
         config = self.engine.engine_config
         max_model_len, vocab_size = config.model_config.max_model_len, config.model_info.vocab_size
+        keep = max_model_len if request.truncate_prompt_tokens == -1 else request.truncate_prompt_tokens
+        if keep is not None and len(token_ids) > keep:
+            text, token_ids = None, token_ids[-keep:]
         if not token_ids:
             raise OpenAIError(f"{param}: it is empty (0 tokens)", param=param)
         if len(token_ids) >= max_model_len:
@@ -94,6 +99,12 @@ class OpenAIServing:
             raise OpenAIError(f"{param}: token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",
                               param=param)
         return {"prompt": text, "prompt_token_ids": token_ids}
+
+    @staticmethod
+    def log_unknown_fields(request: SamplingRequest) -> None:
+        """Fields the request models do not know are ignored, and said so (as vLLM does)."""
+        if request.model_extra:
+            logger.warning("the request's fields %s are not known here: ignored", sorted(request.model_extra))
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
