@@ -1,6 +1,7 @@
 """The offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -9,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from raylm.cluster.llm_engine import LLMEngine, PromptType
+from raylm.cluster.openai.forced_tool_calls import forced_tool_constraint
 from raylm.cluster.outputs import RequestOutput
 from raylm.cluster.stats import LoggingStatLogger
 from raylm.common.lora_request import LoRARequest
@@ -98,16 +100,26 @@ class LLM:
         return self.llm_engine.list_loras()
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+             tool_choice: str | dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or several, each through the
-        tokenizer's chat template, then generated like a prompt."""
+        tokenizer's chat template (with `tools`, OpenAI's function definitions), then generated like a prompt.
+        `tool_choice` "required" or a named function constrains the output as the OpenAI server does: the text is
+        then a JSON array of {"name", "parameters"} calls (required) or the named function's arguments."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, tools=tools,
                                                  add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        constraint = forced_tool_constraint(tools or [], tool_choice)
+        if constraint is not None:
+            params_list = _per_prompt(sampling_params, len(prompts))
+            if any(params.structured_outputs is not None for params in params_list):
+                raise ValueError("tool_choice: a forced tool call constrains the output itself; the sampling params "
+                                 "must not carry structured_outputs too")
+            sampling_params = [dataclasses.replace(params, structured_outputs=constraint) for params in params_list]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:

@@ -14,6 +14,7 @@ from raylm.cluster.openai.protocol_tools import (
     ToolCall,
 )
 from raylm.cluster.openai.tool_parsers import ExtractedToolCalls, ToolParser, new_tool_call_id
+from raylm.common.structured_outputs import StructuredOutputsParams
 
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -119,3 +120,23 @@ class RequiredToolCallParser(ToolParser):
 
 def _function_call(call: dict[str, Any]) -> FunctionCall:
     return FunctionCall(name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False))
+
+
+def forced_tool_constraint(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None
+                           ) -> StructuredOutputsParams | None:
+    """The grammar of an offline chat's tool_choice (`LLM.chat`), as the server builds it: "required" -> an array of
+    calls, a named function -> its arguments; None / "auto" / "none" -> no grammar."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    parsed = [ChatCompletionTool.model_validate(tool) for tool in tools]
+    if tool_choice == "required":
+        if not parsed:
+            raise ValueError("tool_choice 'required' needs tools")
+        return StructuredOutputsParams(json=required_schema(parsed, parallel_tool_calls=True))
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    named = next((tool for tool in parsed if tool.function.name == name), None)
+    if named is None:
+        raise ValueError(f"tool_choice {tool_choice!r}: expected 'none', 'auto', 'required' or "
+                         f"{{'type': 'function', 'function': {{'name': ...}}}} naming one of the tools "
+                         f"{[tool.function.name for tool in parsed]}")
+    return StructuredOutputsParams(json=parameters_schema(named))
