@@ -105,6 +105,16 @@ def test_offline_failure_is_finish_reason_error_beside_whole_outputs(llama_path:
             reference.outputs[0].token_ids, "length")
 
 
+def test_offline_logit_bias_outside_the_vocabulary_is_refused(llama_path: Path) -> None:
+    llm = LLM(str(llama_path), **_small_engine())
+    try:
+        with pytest.raises(ValueError, match=r"logit_bias: token ids \[-3\] are outside the vocabulary"):
+            llm.generate("hello", SamplingParams(max_tokens=2, logit_bias={-3: 1.0}), use_tqdm=False)
+        assert llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
 def test_async_llm_gives_the_error_in_the_output(llama_path: Path) -> None:
     engine = AsyncLLM(make_engine_config(**_small_engine(), model=str(llama_path)))
 

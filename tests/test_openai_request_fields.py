@@ -137,6 +137,16 @@ def test_continue_final_message_continues_the_assistant(server: Server, tokenize
     assert body["usage"]["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
 
 
+def test_logit_bias_outside_the_vocabulary_is_refused_not_fatal(server: Server) -> None:
+    """schemathesis found it: a negative token id reached the sampler's index_put_ and killed the engine (503s
+    after)."""
+    for stream in (False, True):
+        assert_refused(completion(server, logit_bias={"-35152810": 1}, stream=stream), "logit_bias",
+                       "outside the vocabulary [0, 512)")
+        assert_refused(chat(server, logit_bias={"512": -1}, stream=stream), "logit_bias", "[512]")
+    assert completion(server, logit_bias={"511": 1})[0] == 200
+
+
 def test_unknown_fields_are_accepted_and_logged(server: Server, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="raylm.cluster.openai.serving_engine"):
         assert completion(server, not_a_field=1)[0] == 200

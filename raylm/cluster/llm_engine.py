@@ -122,6 +122,9 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > vocab_size:
                 raise ValueError(f"SamplingParams.{name} must be <= the vocabulary size ({vocab_size}), got {value}")
+        outside = [token for token in params.logit_bias or {} if not 0 <= token < vocab_size]
+        if outside:  # the sampler would index the logits with them
+            raise ValueError(f"logit_bias: token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
         if params.structured_outputs is not None:  # refused here, with what is unsupported, not in the engine
             validate_structured_outputs(params.structured_outputs, self.config.resolved.structured_outputs_backends)
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":

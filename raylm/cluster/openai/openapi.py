@@ -38,8 +38,8 @@ _STREAMING = {"/v1/completions", "/v1/chat/completions"}
 # tokenizer or another field). (reason, a pattern of the error messages it gives.)
 SEMANTIC_400_REASONS: tuple[tuple[str, str], ...] = (
     ("the prompt (with max_tokens) does not fit max_model_len", r"maximum context length|is too large"),
-    ("the prompt holds token ids outside the vocabulary, or none once tokenized", r"outside the vocabulary|it is "
-                                                                                   r"empty"),
+    ("the prompt or logit_bias holds token ids outside the vocabulary, or the prompt none once tokenized",
+     r"outside the vocabulary|it is empty"),
     ("min_tokens is larger than max_tokens", r"^min_tokens must be <="),
     ("best_of is not n (raylm has no beam search)", r"^best_of must equal n"),
     ("an output constraint (response_format, structured_outputs, guided_*, forced tools) cannot be compiled or "

@@ -111,11 +111,17 @@ class OpenAIServing:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise OpenAIError(f"logprobs: must be between 0 and {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
         try:
-            return request.sampling_params(max_tokens, logprobs)
+            params = request.sampling_params(max_tokens, logprobs)
         except ValueError as err:
             # SamplingParams says "SamplingParams.<field> <rule>"; its field names are the request's.
             message = str(err).removeprefix("SamplingParams.")
             raise OpenAIError(message, param=message.split(" ", 1)[0]) from None
+        vocab_size = self.engine.engine_config.model_info.vocab_size
+        outside = [token for token in params.logit_bias or {} if not 0 <= token < vocab_size]
+        if outside:  # checked here too, so that a stream is refused with a status
+            raise OpenAIError(f"logit_bias: token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",
+                              param="logit_bias")
+        return params
 
     def token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
