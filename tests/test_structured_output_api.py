@@ -187,3 +187,60 @@ def test_reasoning_then_grammar(tool_model: Path) -> None:
         chunks = list(client.chat.completions.create(**common, stream=True))
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert content == message.content
+
+
+SPACED = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "zone": {"type": "integer"}},
+          "required": ["unit", "zone"], "additionalProperties": False}  # no free text: all whitespace is the pattern's
+
+
+def test_guided_whitespace_pattern_is_the_whitespace_between_json_tokens(client: openai.OpenAI, tool_model: Path,
+                                                                         bias: dict) -> None:
+    """vLLM's guided_whitespace_pattern, through llguidance's JSON option: with spaces pushed up, the flexible
+    default takes runs of them; the pattern " " allows one at a time, and a newline-only one none."""
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    spaces = {str(t): 30.0 for t in range(len(tokenizer)) if set(tokenizer.decode([t])) == {" "}}
+    common: dict[str, Any] = dict(model=tool_model.name, messages=MESSAGES, max_tokens=60, temperature=0.0,
+                                  logit_bias={**bias, **spaces})
+    texts = {}
+    for pattern in (None, " ", "\n"):
+        extra = {"guided_json": SPACED, **({} if pattern is None else {"guided_whitespace_pattern": pattern})}
+        choice = client.chat.completions.create(**common, extra_body=extra).choices[0]
+        texts[pattern] = choice.message.content or ""
+        if pattern is not None:
+            assert choice.finish_reason == "stop"
+            validate_json(texts[pattern], SPACED)
+    assert "  " in texts[None]
+    assert " " in texts[" "] and "  " not in texts[" "]
+    assert " " not in texts["\n"]
+
+
+def test_guided_decoding_backend_picks_the_backend(client: openai.OpenAI, server: Server, tool_model: Path,
+                                                   bias: dict) -> None:
+    common: dict[str, Any] = dict(model=tool_model.name, messages=MESSAGES, max_tokens=40, temperature=0.0,
+                                  logit_bias=bias)
+    multiple_of = {"type": "integer", "multipleOf": 3}  # xgrammar would not enforce it: auto takes guidance
+    for backend in ("auto", "guidance"):
+        content = client.chat.completions.create(**common, extra_body={
+            "guided_json": multiple_of, "guided_decoding_backend": backend}).choices[0].message.content
+        assert int(content or "1") % 3 == 0
+    refusals = [
+        ({"guided_json": multiple_of, "guided_decoding_backend": "xgrammar"}, "guided_json",
+         "xgrammar backend does not enforce multipleOf"),
+        ({"structured_outputs": {"json": multiple_of, "disable_fallback": True}}, "structured_outputs",
+         "xgrammar backend does not enforce multipleOf"),
+        ({"structured_outputs": {"structural_tag": '{"structures": [], "triggers": []}'},
+          "guided_decoding_backend": "guidance"}, "structured_outputs", "guidance backend does not support"),
+        ({"guided_regex": "a+", "guided_decoding_backend": "outlines"}, "guided_decoding_backend",
+         "'outlines' is not a grammar backend of this engine; use one of 'auto', 'xgrammar', 'guidance'"),
+        ({"guided_decoding_backend": "xgrammar:no-fallback"}, "guided_decoding_backend", "'xgrammar:no-fallback'"),
+        ({"guided_json": SPACED, "guided_whitespace_pattern": " ", "guided_decoding_backend": "xgrammar"},
+         "guided_json", "the xgrammar backend takes no whitespace_pattern"),
+        ({"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern",
+         "applies to JSON output"),
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "this request has no output constraint"),
+        ({"guided_json": SPACED, "guided_whitespace_pattern": 3}, "guided_whitespace_pattern", "must be a string"),
+    ]
+    for body, param, message in refusals:
+        status, reply = server.request("POST", "/v1/chat/completions",
+                                       {"model": tool_model.name, "messages": MESSAGES, **body})
+        assert status == 400 and reply["error"]["param"] == param and message in reply["error"]["message"], reply

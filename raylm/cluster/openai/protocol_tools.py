@@ -35,6 +35,8 @@ class StructuredOutputsRequest(_Model):
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None  # JSON: the whitespace allowed between tokens (guidance backend)
+    disable_fallback: bool = False  # the engine's first backend or a 400, never the next one
 
 
 class FunctionDefinition(_Model):

@@ -1,10 +1,11 @@
 """What a request constrains its output to, from whichever field says so (response_format, structured_outputs, the
-guided_* aliases, or tools with tool_choice required / a named function), checked before it reaches the engine: a
-constraint no backend can enforce is a 400 that names the field and what is unsupported."""
+guided_* aliases, or tools with tool_choice required / a named function) and vLLM's guided_whitespace_pattern and
+guided_decoding_backend options, checked before it reaches the engine: a constraint no backend can enforce is a 400
+that names the field and what is unsupported."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from raylm.cluster.openai.errors import OpenAIError
 from raylm.cluster.openai.forced_tool_calls import (
@@ -64,13 +65,53 @@ def request_constraint(request: SamplingRequest, engine_config: EngineConfig) ->
     parsers = [c.tool_parser for c in found if c.tool_parser is not None]
     if parsers:
         constraint.tool_parser = parsers[0]
+    _apply_whitespace_pattern(constraint, _string_field(request, "guided_whitespace_pattern"))
+    backends = _backends(engine_config, _string_field(request, "guided_decoding_backend"))
     if constraint.structured_outputs is not None:
         try:
-            backends = engine_config.resolved.structured_outputs_backends
             validate_structured_outputs(constraint.structured_outputs, backends)
         except ValueError as err:
             raise OpenAIError(f"{constraint.param}: {err}", param=constraint.param) from None
     return constraint
+
+
+def _string_field(request: SamplingRequest, name: str) -> str | None:
+    """One of vLLM's guided_* options: a field of the request model, or kept among its extra fields."""
+    value = getattr(request, name, None)
+    if value is not None and not isinstance(value, str):
+        raise OpenAIError(f"{name}: must be a string, got {type(value).__name__}", param=name)
+    return value
+
+
+def _apply_whitespace_pattern(constraint: OutputConstraint, pattern: str | None) -> None:
+    """guided_whitespace_pattern: the whitespace a JSON constraint allows between its tokens (llguidance's option:
+    such a request goes to the guidance backend)."""
+    if pattern is None:
+        return
+    name, params = "guided_whitespace_pattern", constraint.structured_outputs
+    if params is None or params.kind not in ("json", "json_object"):
+        what = "no output constraint" if params is None else f"a {params.kind} constraint ({constraint.param})"
+        raise OpenAIError(f"{name}: applies to JSON output (response_format, guided_json, structured_outputs.json, "
+                          f"forced tool calls); this request has {what}", param=name)
+    if params.whitespace_pattern is not None:
+        raise OpenAIError(f"{name}: the request gives structured_outputs.whitespace_pattern too; give one",
+                          param=name)
+    try:
+        constraint.structured_outputs = replace(params, whitespace_pattern=pattern)
+    except ValueError as err:
+        raise OpenAIError(f"{name}: {err}", param=name) from None
+
+
+def _backends(engine_config: EngineConfig, named: str | None) -> tuple[str, ...]:
+    """The engine's grammar backends, or the one guided_decoding_backend names (vLLM's per-request choice)."""
+    backends = engine_config.resolved.structured_outputs_backends
+    if named is None or named == "auto":
+        return backends
+    if named not in backends:
+        raise OpenAIError(f"guided_decoding_backend: {named!r} is not a grammar backend of this engine; use one of "
+                          f"{', '.join(repr(b) for b in ('auto', *backends))}, or leave it out", param=
+                          "guided_decoding_backend")
+    return (named,)
 
 
 def _params(fields: dict, param: str) -> StructuredOutputsParams:

@@ -31,12 +31,14 @@ class GuidanceBackend(StructuredOutputBackend):
     def grammar_text(self, params: StructuredOutputsParams) -> str:
         """The constraint as llguidance's grammar text; ValueError naming the field when it cannot be."""
         kind = params.kind
-        defaults = {"whitespace_flexible": not params.disable_any_whitespace}
-        if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(parse_json(params.json, "json")),
-                                                                 defaults=defaults)
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_ANY_OBJECT), defaults=defaults)
+        defaults: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+        # The request's pattern wins over a schema's own "x-guidance" options (applied between the two).
+        overrides: dict[str, Any] | None = (
+            None if params.whitespace_pattern is None else {"whitespace_pattern": params.whitespace_pattern})
+        if kind in ("json", "json_object"):
+            schema = parse_json(params.json, "json") if kind == "json" else _ANY_OBJECT
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults,
+                                                                 overrides=overrides)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":

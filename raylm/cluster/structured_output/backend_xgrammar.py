@@ -46,6 +46,8 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def check(self, params: StructuredOutputsParams) -> None:
         kind = params.kind
+        if params.whitespace_pattern is not None:
+            raise ValueError(f"{kind}: the xgrammar backend takes no whitespace_pattern (guidance does)")
         try:
             if kind == "json":
                 schema = parse_json(params.json, "json")

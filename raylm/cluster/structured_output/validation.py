@@ -11,15 +11,16 @@ _CHECKERS = {"xgrammar": XgrammarBackend(), "guidance": GuidanceBackend()}
 
 
 def validate_structured_outputs(params: StructuredOutputsParams, backends: tuple[str, ...]) -> str:
-    """The first of `backends` (the resolved config's structured_outputs_backends) that can compile `params` (also
-    stored in it); ValueError "<kind>: ..." when none can."""
+    """The first of `backends` (the resolved config's structured_outputs_backends, or the one a request named) that
+    can compile `params` (also stored in it), only the first with disable_fallback; ValueError "<kind>: ..." when
+    none can."""
     if params._backend is not None:
         return params._backend
     if not backends:
         raise ValueError(f"{params.kind}: this engine enforces no output constraints (its config was resolved "
                          f"without grammar backends)")
     errors = []
-    for name in backends:
+    for name in backends[:1] if params.disable_fallback else backends:
         try:
             _CHECKERS[name].check(params)
         except ValueError as err:
