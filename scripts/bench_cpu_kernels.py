@@ -7,7 +7,13 @@ CPU the two builds target about the same instructions, and without AVX2 only the
 Both builds' calls interleave, each figure is the median of the rounds, and both builds' outputs are checked against
 each other first.
 
+`--bf16` times the skinny linear on bfloat16 weights against float32 ones instead, at 1, 8, 32 and 64 rows on
+SmolLM2's linears (qkv, o, gate_up, down, the 49152-row lm_head), each over enough copies of its weight to outgrow
+the caches (--cold-mib of float32 weights): the native build (AVX512-BF16's dot products where the CPU has them)
+and the AVX2 build (the bfloat16 pairs widened, then FMAs), with oneDNN's float32 and bfloat16 matmul beside them.
+
     python scripts/bench_cpu_kernels.py [--rounds 9]
+    python scripts/bench_cpu_kernels.py --bf16 [--rounds 5] [--cold-mib 512] [--threads 1]
 """
 from __future__ import annotations
 
@@ -92,10 +98,81 @@ def cases() -> dict[str, Callable[[ModuleType], torch.Tensor]]:
     }
 
 
+# SmolLM2-135M's linears: (name, out, in).
+SMOLLM2_LINEARS = [("qkv", (HEADS + 2 * KV_HEADS) * HEAD_SIZE, HIDDEN), ("o", HIDDEN, HEADS * HEAD_SIZE),
+                   ("gate_up", 2 * INTERMEDIATE, HIDDEN), ("down", HIDDEN, INTERMEDIATE), ("lm_head", 49152, HIDDEN)]
+
+
+Call = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def bf16_calls(out: int, weights: list[torch.Tensor]) -> dict[str, tuple[Call, list[torch.Tensor], bool]]:
+    """kernel -> (call on x and one packed weight, the packed weights, whether it takes bfloat16)."""
+    native, avx2 = cpu_kernels.load(), cpu_kernels.load_avx2()
+    assert native is not None, "raylm's CPU kernels did not build"
+    bf16 = [w.bfloat16() for w in weights]
+    linear = torch.ops.mkldnn._linear_pointwise
+    calls: dict[str, tuple[Call, list[torch.Tensor], bool]] = {
+        "skinny fp32": (lambda x, w: native.skinny_linear(x, w, out, None), [native.pack_skinny(w) for w in weights],
+                        False),
+        "skinny bf16": (lambda x, w: native.skinny_linear(x, w, out, None), [native.pack_skinny(w) for w in bf16],
+                        True),
+    }
+    if avx2 is not None:
+        calls["avx2 bf16"] = (lambda x, w: avx2.skinny_linear(x, w, out, None), [avx2.pack_skinny(w) for w in bf16],
+                              True)
+    calls["onednn fp32"] = (lambda x, w: linear(x, w, None, "none", [], ""),
+                            [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights], False)
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        calls["onednn bf16"] = (lambda x, w: linear(x, w, None, "none", [], ""),
+                                [torch.ops.mkldnn._reorder_linear_weight(w) for w in bf16], True)
+    return calls
+
+
+def bf16_linears(rounds: int, cold_mib: int) -> None:
+    """The bfloat16 table: per shape and rows, ms per call of each kernel and the float32 / bfloat16 ratio."""
+    print(f"native build multiplies bfloat16 pairs natively: {cpu_kernels.load().native_bf16}; oneDNN bfloat16: "
+          f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}", flush=True)
+    header_done = False
+    for name, out, inp in SMOLLM2_LINEARS:
+        copies = max(1, cold_mib * 2**20 // (out * inp * 4))
+        calls = bf16_calls(out, [torch.randn(out, inp) * 0.05 for _ in range(copies)])
+        if not header_done:
+            header = ["linear", "rows", *calls, "fp32 / bf16 (skinny)"]
+            print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
+            header_done = True
+        for rows in (1, 8, 32, 64):
+            x32 = torch.randn(rows, inp)
+            inputs = {False: x32, True: x32.bfloat16()}
+            times: dict[str, list[float]] = {kernel: [] for kernel in calls}
+            for _ in range(rounds + 1):  # the first round warms up
+                for kernel, (call, packed, is_bf16) in calls.items():
+                    start = time.perf_counter()
+                    for w in packed:
+                        call(inputs[is_bf16], w)
+                    times[kernel].append((time.perf_counter() - start) / len(packed))
+            ms = {kernel: statistics.median(t[1:]) * 1e3 for kernel, t in times.items()}
+            row = [f"{name} {out}x{inp}", str(rows), *(f"{v:.3f}" for v in ms.values()),
+                   f"{ms['skinny fp32'] / ms['skinny bf16']:.2f}x"]
+            print("| " + " | ".join(row) + " |", flush=True)
+    print(f"\nms per call (median of {rounds} rounds over the copies), {torch.get_num_threads()} threads")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--bf16", action="store_true", help="the skinny linear in bfloat16 against float32")
+    parser.add_argument("--cold-mib", type=int, default=512, help="--bf16: float32 MiB of weight copies per shape")
+    parser.add_argument("--threads", type=int, help="torch's threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.bf16:
+        before = machine_line()
+        print(f"before: {before}", flush=True)
+        bf16_linears(args.rounds, args.cold_mib)
+        print(f"after:  {machine_line()}")
+        return
     builds = {"native": cpu_kernels.load(), "avx2": cpu_kernels.load_avx2()}
     assert builds["native"] is not None, "raylm's CPU kernels did not build"
     builds = {name: ops for name, ops in builds.items() if ops is not None}

@@ -92,6 +92,29 @@ def test_every_kernel_computes_the_linear(kernel: str, gemm_cache: Path) -> None
             torch.testing.assert_close(layer.matmul(x, bias), F.linear(x, layer.weight, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_every_kernel_computes_a_bf16_linear(kernel: str, gemm_cache: Path) -> None:
+    """A bfloat16 layer through each kernel (oneDNN's bfloat16 matmul where it packs, the skinny kernel's bfloat16
+    panels): F.linear in float32 on the same values, within the bfloat16 result's rounding."""
+    if kernel == "skinny" and cpu_kernels.load() is None:
+        pytest.skip("raylm's CPU kernels could not be built here")
+    if kernel == "onednn" and not cpu_gemm.onednn_packs(torch.bfloat16):
+        pytest.skip("oneDNN does not pack bfloat16 on this CPU")
+    torch.manual_seed(0)
+    layer = LinearBase(97, 80, bias=True).to(torch.bfloat16)  # an odd input count: the skinny panels' padded pair
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    layer.gemm_plan = GemmPlan((kernel,) * len(ROW_BUCKETS))
+    layer.process_weights_after_loading()
+    assert (layer.skinny_weight is not None) == (kernel == "skinny")
+    for rows in (1, 5, 13, 64, 300):
+        x = torch.randn(rows, 97, dtype=torch.bfloat16)
+        got = layer.matmul(x, layer.bias)
+        assert got.dtype == torch.bfloat16
+        expected = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+        torch.testing.assert_close(got.float(), expected, rtol=2**-8, atol=2e-3)
+
+
 def test_the_avx2_build_of_the_skinny_kernel_computes_the_linear() -> None:
     """The AVX2 path (4 rows a pass, 8-float registers), built here whatever this CPU has beyond AVX2: F.linear's
     result inside and past a pass, past a 32-wide panel, and at the largest rows a plan times it for."""
@@ -109,9 +132,13 @@ def test_the_avx2_build_of_the_skinny_kernel_computes_the_linear() -> None:
                                        atol=1e-4)
 
 
-def test_skinny_is_timed_only_with_the_cpu_kernels(gemm_cache: Path) -> None:
-    """custom_ops="none" (kernels off) plans sgemm and oneDNN only; with the kernels, skinny is timed up to 128 rows."""
-    layers = [LinearBase(64, 48, bias=False) for _ in range(2)]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_skinny_is_timed_only_with_the_cpu_kernels(gemm_cache: Path, dtype: torch.dtype) -> None:
+    """custom_ops="none" (kernels off) plans sgemm and oneDNN only; with the kernels, skinny is timed up to 128 rows,
+    on bfloat16 weights as on float32 ones."""
+    if not cpu_gemm.onednn_packs(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU: such layers are not planned")
+    layers = [LinearBase(64, 48, bias=False).to(dtype) for _ in range(2)]
     for layer in layers:
         layer.process_weights_after_loading()
     cpu_kernels.set_enabled(False)

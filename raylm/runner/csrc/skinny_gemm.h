@@ -31,10 +31,11 @@ constexpr bool kNativeBf16 = false;
 // (in2: in rounded up to even), each 32-bit word one output's weights at inputs 2i and 2i + 1, the pair vdpbf16ps
 // takes. Outputs (and the odd input) past the weight's are zero.
 inline torch::Tensor pack_skinny(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kFloat32 || weight.scalar_type() == torch::kBFloat16),
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && (dtype == torch::kFloat32 || dtype == torch::kBFloat16),
               "weight must be 2-D float32 or bfloat16");
   const int64_t out = weight.size(0), in = weight.size(1), panels = (out + kPanel - 1) / kPanel;
-  if (weight.scalar_type() == torch::kFloat32) {
+  if (dtype == torch::kFloat32) {
     auto padded = torch::zeros({panels * kPanel, in}, weight.options());
     padded.narrow(0, 0, out).copy_(weight);
     return padded.view({panels, kPanel, in}).transpose(1, 2).contiguous();

@@ -74,16 +74,16 @@ inline lanes_t load_lanes(const bf16* p) {
 
 inline void store_lanes(float* p, lanes_t v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline bf16_lanes_t narrow_lanes(lanes_t v) {
+// The float32 bits of v rounded to nearest even at bfloat16's precision (the low 16 bits left to clear); NaN stays NaN.
+inline bits_lanes_t rounded_bits(lanes_t v) {
   bits_lanes_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  bits = v != v ? bits_lanes_t{} + 0x7fc0u : bits;  // NaN stays NaN
-  return __builtin_convertvector(bits, bf16_lanes_t);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return v != v ? bits_lanes_t{} + 0x7fc00000u : bits;
 }
 
 inline void store_lanes(bf16* p, lanes_t v) {
-  const bf16_lanes_t h = narrow_lanes(v);
+  const bf16_lanes_t h = __builtin_convertvector(rounded_bits(v) >> 16, bf16_lanes_t);
   std::memcpy(p, &h, sizeof(h));
 }
 
@@ -93,9 +93,10 @@ inline lanes_t round_lanes(lanes_t v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
-    bf16 h[kLanes];
-    store_lanes(h, v);
-    return load_lanes(h);
+    const bits_lanes_t bits = rounded_bits(v) & 0xffff0000u;
+    lanes_t rounded;
+    std::memcpy(&rounded, &bits, sizeof(rounded));
+    return rounded;
   }
 }
 
