@@ -46,6 +46,9 @@ SEMANTIC_400_REASONS: tuple[tuple[str, str], ...] = (
      "enforced, or more than one is given", r"backend|not valid JSON|StructuredOutputsParams|only one output "
                                             r"constraint|json_schema.schema: required"),
     ("tool_choice does not match the tools, or needs --enable-auto-tool-choice", r"^tool_choice: "),
+    ("guided_whitespace_pattern is given without a JSON constraint (or beside structured_outputs.whitespace_pattern); "
+     "guided_decoding_backend names a backend this engine does not have", r"^guided_(whitespace_pattern|decoding_"
+                                                                         r"backend): "),
     ("the chat template rejects the messages", r"the chat template failed"),
     ("priority is given without scheduling_policy 'priority'", r"scheduling_policy"),
 )

@@ -56,6 +56,7 @@ TokenBias = Annotated[
     WithJsonSchema({"type": "object", "patternProperties": {_TOKEN_ID: {"type": "number", "minimum": -100,
                                                                         "maximum": 100}},
                     "additionalProperties": False})]
+_CheckedString = Annotated[Any, WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "null"}]})]
 # Requests are parsed strictly: a value of the wrong JSON type (true for an integer, "1" for a number) is refused as
 # the schema says, not coerced.
 _REQUEST_CONFIG = ConfigDict(extra="allow", strict=True)
@@ -113,6 +114,10 @@ class SamplingRequest(OpenAIBaseModel, UnsupportedSamplingFields):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
+    # The whitespace a JSON constraint allows; one of the engine's grammar backends, or "auto". Checked, with their
+    # type, by structured_request.py.
+    guided_whitespace_pattern: _CheckedString = None
+    guided_decoding_backend: _CheckedString = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError on out-of-range values."""
