@@ -17,6 +17,7 @@ from raylm import LLM, SamplingParams
 from raylm.cluster.config_resolver import resolve_engine_config
 from raylm.cluster.serve import llm_server_options
 from raylm.configs import make_engine_config
+from raylm.configs.model_info import cpu_multiplies_bf16
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,10 @@ def gpus(request: pytest.FixtureRequest) -> Iterator[int]:
     ray.shutdown()
 
 
-@pytest.mark.parametrize(("gpus", "device", "dtype", "attention"), [(2, "cuda", "bfloat16", "triton"),
-                                                                     (0, "cpu", "float32", "cpu")],
-                         indirect=["gpus"])
+@pytest.mark.parametrize(("gpus", "device", "dtype", "attention"), [
+    (2, "cuda", "bfloat16", "triton"),
+    (0, "cpu", "bfloat16" if cpu_multiplies_bf16() else "float32", "cpu"),  # resolve_dtype's CPU rule
+], indirect=["gpus"])
 def test_ray_workers_decide_device_dtype_and_backend(bf16_path: Path, gpus: int, device: str, dtype: str,
                                                      attention: str) -> None:
     """A CPU-only driver of a cluster with GPUs runs CUDA workers in the checkpoint's bfloat16."""

@@ -1,8 +1,9 @@
 """bfloat16 on CPU: each of raylm's kernels against its torch reference in bfloat16, in this CPU's build and the AVX2
 one (which widens the weights' pairs where this CPU may multiply them with AVX512-BF16); a bfloat16 engine against
-transformers in bfloat16 (equal greedy tokens but at near-ties)."""
+transformers in bfloat16 (equal greedy tokens but at near-ties); and what `dtype: auto` picks on CPU."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +16,9 @@ from test_cpu_kernels import BLOCK_SIZE, HEAD_SHAPES, NUM_BLOCKS, _logical_to_cp
 from transformers import AutoModelForCausalLM
 
 from raylm.cluster import LLM, SamplingParams
+from raylm.configs import model_info
+from raylm.configs.engine_config import ModelConfig
+from raylm.configs.model_info import read_model_info, resolve_dtype
 from raylm.runner import cpu_kernels
 from raylm.runner.attention import CPUAttentionBackend, TorchAttentionBackend
 from raylm.runner.cpu_kernels import cpu_flags
@@ -187,3 +191,26 @@ def test_bf16_engine_follows_transformers_in_bf16(arch: str, schedule: dict, che
     diverged = assert_equal_but_near_ties(transformers_greedy(checkpoints[arch], prompts, 24),
                                           [list(o.outputs[0].token_ids) for o in outputs])
     assert diverged <= 2, f"{diverged} of {len(prompts)} sequences left transformers' tokens"
+
+
+def test_auto_picks_bf16_on_cpu_only_for_a_16_bit_checkpoint_on_a_bf16_cpu(llama_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    info = read_model_info(str(llama_path))
+    auto, sixteen_bit = ModelConfig(dtype="auto"), dataclasses.replace(info, checkpoint_dtype="bfloat16")
+    for has_bf16 in (True, False):
+        monkeypatch.setattr(model_info, "cpu_multiplies_bf16", lambda has=has_bf16: has)
+        assert resolve_dtype(auto, sixteen_bit, "cpu") == ("bfloat16" if has_bf16 else "float32")
+        assert resolve_dtype(auto, dataclasses.replace(info, checkpoint_dtype="float16"), "cpu") == (
+            "bfloat16" if has_bf16 else "float32")
+        assert resolve_dtype(auto, info, "cpu") == "float32"  # a float32 checkpoint keeps float32 (the oracle's)
+        assert resolve_dtype(ModelConfig(dtype="auto", quantization="int8"), sixteen_bit, "cpu") == "float32"
+        assert resolve_dtype(ModelConfig(dtype="float32"), sixteen_bit, "cpu") == "float32"
+        assert resolve_dtype(ModelConfig(dtype="bfloat16"), info, "cpu") == "bfloat16"
+        assert resolve_dtype(auto, info, "cuda") == "bfloat16"
+
+
+def test_a_bf16_cpu_is_what_its_flags_and_onednn_say() -> None:
+    model_info.cpu_multiplies_bf16.cache_clear()
+    flags = set(cpu_flags().split())
+    expected = bool({"avx512_bf16", "amx_bf16"} & flags) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert model_info.cpu_multiplies_bf16() == expected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,14 +69,37 @@ def read_model_info(model_path: str) -> ModelInfo:
 
 
 def resolve_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type: str) -> str:
-    """The dtype setting, or for "auto": float32 on CPU (half-precision matmuls are slow there and the transformers
-    oracle runs float32), else the checkpoint's 16-bit dtype (bfloat16 for a float32 checkpoint)."""
+    """The dtype setting, or for "auto":
+    - on CPU, bfloat16 where three things hold: the checkpoint is stored in 16 bits (bfloat16 or float16), its weights
+      are not quantized, and the CPU multiplies bfloat16 in hardware (cpu_multiplies_bf16). There raylm's bfloat16
+      kernels read half the bytes and measured faster than float32 (docs/cpu-performance.md, "bfloat16"). Else
+      float32: a float32 checkpoint keeps the precision it was stored in (and the transformers oracle's), the
+      quantized block kernels compute float32, and without bfloat16 instructions every product widens first.
+    - elsewhere, the checkpoint's 16-bit dtype (bfloat16 for a float32 checkpoint)."""
     if model_config.dtype != "auto":
         return model_config.dtype
-    if device_type == "cpu":
-        return "float32"
     checkpoint = model_info.checkpoint_dtype
+    if device_type == "cpu":
+        quantized = resolve_quantization(model_config, model_info) != "none"
+        sixteen_bit = checkpoint in ("bfloat16", "float16")
+        return "bfloat16" if sixteen_bit and not quantized and cpu_multiplies_bf16() else "float32"
     return checkpoint if checkpoint is not None and checkpoint != "float32" else "bfloat16"
+
+
+@cache
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot products in hardware (AVX512-BF16 or AMX-BF16 among its flags: raylm's
+    kernels use the first, oneDNN both) and torch's oneDNN runs bfloat16 here (its own ISA check)."""
+    try:
+        flags = next((line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        return False
+    if not {"avx512_bf16", "amx_bf16"} & set(flags):
+        return False
+    import torch  # here, not at import: the config layer is read by processes that never compute
+
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_quantization(model_config: ModelConfig, model_info: ModelInfo) -> str:
