@@ -9,17 +9,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from raylm.cluster.async_llm import AsyncLLM
-    from raylm.cluster.llm import LLM
-    from raylm.cluster.outputs import CompletionOutput, RequestOutput
+    from raylm.cluster.engine.async_llm import AsyncLLM
+    from raylm.cluster.engine.outputs import CompletionOutput, RequestOutput
+    from raylm.cluster.entrypoints.llm import LLM
     from raylm.common.sampling_params import SamplingParams
 
 _EXPORTS = {
-    "LLM": "raylm.cluster.llm",
-    "AsyncLLM": "raylm.cluster.async_llm",
+    "LLM": "raylm.cluster.entrypoints.llm",
+    "AsyncLLM": "raylm.cluster.engine.async_llm",
     "SamplingParams": "raylm.common.sampling_params",
-    "RequestOutput": "raylm.cluster.outputs",
-    "CompletionOutput": "raylm.cluster.outputs",
+    "RequestOutput": "raylm.cluster.engine.outputs",
+    "CompletionOutput": "raylm.cluster.engine.outputs",
 }
 __all__ = ["AsyncLLM", "CompletionOutput", "LLM", "RequestOutput", "SamplingParams"]
 

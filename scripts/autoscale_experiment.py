@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from raylm.cluster.serve import build_openai_app, start_serve  # noqa: E402
-from raylm.cluster.serving_benchmark import random_prompts  # noqa: E402
+from raylm.cluster.serve.app import build_openai_app, start_serve  # noqa: E402
+from raylm.cluster.tools.serving_benchmark import random_prompts  # noqa: E402
 from raylm.configs import make_engine_config  # noqa: E402
 
 COLUMNS = ("time_s", "clients", "in_flight", "replicas", "replicas_starting", "ttft_ms", "itl_ms", "output_tok_s")

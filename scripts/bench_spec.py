@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raylm.cluster import LLM, SamplingParams  # noqa: E402
-from raylm.cluster.draft_checkpoint import make_draft_checkpoint  # noqa: E402
-from raylm.cluster.spec_decode import SpecDecodingStats  # noqa: E402
+from raylm.cluster.core.spec_decode import SpecDecodingStats  # noqa: E402
+from raylm.cluster.tools.draft_checkpoint import make_draft_checkpoint  # noqa: E402
 from scripts.bench_common import MODELS_DIR, machine_line  # noqa: E402
 from scripts.make_copy_model import copy_model  # noqa: E402
 

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import raylm.runner.model_runner as model_runner_module
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.structured_output.backend_guidance import GuidanceBackend
-from raylm.cluster.structured_output.backend_xgrammar import XgrammarBackend
+from raylm.cluster.core.structured_output.backend_guidance import GuidanceBackend
+from raylm.cluster.core.structured_output.backend_xgrammar import XgrammarBackend
 from raylm.common.structured_outputs import StructuredOutputsParams
 from scripts.bench_common import machine_line, make_workload, preset_model, vocab_size  # noqa: E402
 from scripts.bench_offline import EngineProcess  # noqa: E402

@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raylm.cluster.config_resolver import resolve_engine_config  # noqa: E402
-from raylm.cluster.tiny_model import make_tiny_model  # noqa: E402
+from raylm.cluster.engine.config_resolver import resolve_engine_config  # noqa: E402
+from raylm.cluster.models.tiny_model import make_tiny_model  # noqa: E402
 from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from raylm.common.sampling_params import SamplingParams  # noqa: E402
 from raylm.configs import make_engine_config  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raylm.cluster import LLM, SamplingParams  # noqa: E402
-from raylm.cluster.default_gguf import default_gguf_path  # noqa: E402
+from raylm.cluster.models.default_gguf import default_gguf_path  # noqa: E402
 from raylm.configs.gguf_metadata import get_tokenizer, is_gguf  # noqa: E402
 
 TEXT = Path(__file__).with_name("data") / "eval_text.txt"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raylm.cluster.default_gguf import main  # noqa: E402
+from raylm.cluster.models.default_gguf import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raylm.cluster.default_gguf import fetch_default_gguf  # noqa: E402
+from raylm.cluster.models.default_gguf import fetch_default_gguf  # noqa: E402
 from raylm.configs.gguf_metadata import gguf_tokenizer, read_gguf_config  # noqa: E402
 from raylm.runner.models.gguf_weights import iterate_gguf_weights  # noqa: E402
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raylm.cluster.tiny_model import make_tiny_model  # noqa: E402
+from raylm.cluster.models.tiny_model import make_tiny_model  # noqa: E402
 from raylm.common.sampling_params import SamplingParams  # noqa: E402
 from raylm.runner.attention import choose_attn_backend  # noqa: E402
 from scripts.bench_common import vocab_size  # noqa: E402

@@ -19,7 +19,7 @@ fi
 export RAY_USAGE_STATS_ENABLED=0
 # The entrypoint runs on the head node, from the shipped working dir: the `raylm` command where this environment
 # has it, else the module itself (any Python with raylm's dependencies).
-if command -v raylm >/dev/null 2>&1; then entrypoint=(raylm); else entrypoint=(python -m raylm.cluster.cli); fi
+if command -v raylm >/dev/null 2>&1; then entrypoint=(raylm); else entrypoint=(python -m raylm.cluster.entrypoints.cli); fi
 # Ray >= 2.5x starts clusters with token auth (~/.ray/auth_token); the job CLI must send the token too.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 port=${PORT:-8000}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raylm.cluster.tiny_model import main, make_tiny_model  # noqa: E402
+from raylm.cluster.models.tiny_model import main, make_tiny_model  # noqa: E402
 
 __all__ = ["make_tiny_model", "main"]
 

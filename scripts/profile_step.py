@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raylm.cluster import LLM, SamplingParams  # noqa: E402
-from raylm.cluster.detokenizer import IncrementalDetokenizer  # noqa: E402
+from raylm.cluster.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from raylm.common import tracing  # noqa: E402
 from scripts.bench_common import (  # noqa: E402
     PRESETS,

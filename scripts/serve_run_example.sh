@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ray Serve's own launcher on our Serve config file: `serve run` builds the app with raylm.cluster.serve:build_app
+# Ray Serve's own launcher on our Serve config file: `serve run` builds the app with raylm.cluster.serve.app:build_app
 # (on a local Ray, or $RAY_ADDRESS's cluster) and blocks until Ctrl-C. Related forms:
 #   serve deploy raylm/configs/serve-tiny.yaml                                  detached, on a running cluster
 #   ray job submit --working-dir . -- serve run raylm/configs/serve-tiny.yaml   as a Ray job

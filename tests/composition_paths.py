@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from raylm import LLM, SamplingParams
-from raylm.cluster.openai.api_server import build_engine_app
+from raylm.cluster.entrypoints.openai.api_server import build_engine_app
 from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs import make_engine_config
 from tests.http_server import Server, wait_until

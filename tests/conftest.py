@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylm.cluster.tiny_model import make_tiny_model
+from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.runner import cpu_kernels
 
 torch.set_num_threads(2)

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-from raylm.cluster.tiny_tokenizer import SPECIAL_TOKENS
+from raylm.cluster.models.tiny_tokenizer import SPECIAL_TOKENS
 
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 PRE_TOKENIZERS = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}

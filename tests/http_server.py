@@ -15,8 +15,8 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from raylm.cluster.async_llm import AsyncLLM
-from raylm.cluster.openai.api_server import build_engine_app
+from raylm.cluster.engine.async_llm import AsyncLLM
+from raylm.cluster.entrypoints.openai.api_server import build_engine_app
 from raylm.configs import make_engine_config
 
 MAX_MODEL_LEN = 256

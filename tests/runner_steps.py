@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from raylm.cluster.config_resolver import resolve_engine_config
+from raylm.cluster.engine.config_resolver import resolve_engine_config
 from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig, make_engine_config
@@ -26,7 +26,7 @@ def model_parallel_of_one() -> None:
 
 
 def resolved_config(**settings: Any) -> EngineConfig:
-    """The settings as an engine's layers take them: every `auto` decided (raylm/cluster/config_resolver.py)."""
+    """The settings as an engine's layers take them: every `auto` decided (raylm/cluster/engine/config_resolver.py)."""
     return resolve_engine_config(make_engine_config(**settings))
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import schemathesis
 
-from raylm.cluster.openai.openapi import SEMANTIC_400_REASONS
+from raylm.cluster.entrypoints.openai.openapi import SEMANTIC_400_REASONS
 
 # Per positive case: the most sequences, and the most tokens each (min_tokens too, to stay <= max_tokens).
 _CAPS = {"n": 2, "best_of": 2, "max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4}

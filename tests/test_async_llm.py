@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from raylm.cluster.async_llm import AsyncLLM
-from raylm.cluster.outputs import EngineDeadError, RequestOutput
+from raylm.cluster.engine.async_llm import AsyncLLM
+from raylm.cluster.engine.outputs import EngineDeadError, RequestOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import make_engine_config
 

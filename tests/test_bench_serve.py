@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from raylm.cluster.cli import main
+from raylm.cluster.entrypoints.cli import main
 from tests.http_server import served_engine
 
 

@@ -18,9 +18,9 @@ import ray
 from ray import serve
 from transformers import AutoTokenizer
 
-from raylm.cluster.config_resolver import resolve_engine_config
-from raylm.cluster.serve import build_openai_app, start_serve
-from raylm.cluster.tiny_model import make_tiny_model
+from raylm.cluster.engine.config_resolver import resolve_engine_config
+from raylm.cluster.models.tiny_model import make_tiny_model
+from raylm.cluster.serve.app import build_openai_app, start_serve
 from raylm.configs import make_engine_config
 from scripts.composition_table import composition_markdown
 from tests.composition_paths import (

@@ -1,4 +1,4 @@
-"""One resolve step (raylm/cluster/config_resolver.py): every `auto` and derived decision is made once, where the
+"""One resolve step (raylm/cluster/engine/config_resolver.py): every `auto` and derived decision is made once, where the
 engine runs, and every layer reads the resolved fields. Ray here declares fake GPUs; no CUDA worker starts."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import ray
 import torch
 
 from raylm import LLM, SamplingParams
-from raylm.cluster.config_resolver import resolve_engine_config
-from raylm.cluster.serve import llm_server_options
+from raylm.cluster.engine.config_resolver import resolve_engine_config
+from raylm.cluster.serve.app import llm_server_options
 from raylm.configs import make_engine_config
 from raylm.configs.model_info import cpu_multiplies_bf16
 

@@ -13,11 +13,11 @@ import pytest
 import ray
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.async_llm import AsyncLLM
-from raylm.cluster.dp_client import DPEngineCoreClient
-from raylm.cluster.dp_load_balancer import DPLoadBalancer
-from raylm.cluster.openai.metrics import PrometheusStatLogger
-from raylm.cluster.outputs import DPEngineDiedError, EngineDeadError
+from raylm.cluster.dp.dp_client import DPEngineCoreClient
+from raylm.cluster.dp.dp_load_balancer import DPLoadBalancer
+from raylm.cluster.engine.async_llm import AsyncLLM
+from raylm.cluster.engine.outputs import DPEngineDiedError, EngineDeadError
+from raylm.cluster.entrypoints.openai.metrics import PrometheusStatLogger
 from raylm.configs import make_engine_config
 from tests.reference import TOP_K, assert_same_output
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.cli import main
-from raylm.cluster.default_gguf import default_gguf_path
+from raylm.cluster.entrypoints.cli import main
+from raylm.cluster.models.default_gguf import default_gguf_path
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(default_gguf_path() is None, reason="SmolLM2 GGUF not fetched on this machine")]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.dp_client import DPEngineCoreClient
+from raylm.cluster.dp.dp_client import DPEngineCoreClient
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
 
 MAX_TOKENS = 8

@@ -14,9 +14,9 @@ from typing import Any
 import openai
 import pytest
 
-from raylm.cluster.async_llm import AsyncLLM
-from raylm.cluster.llm import LLM
-from raylm.cluster.openai.api_server import build_engine_app
+from raylm.cluster.engine.async_llm import AsyncLLM
+from raylm.cluster.entrypoints.llm import LLM
+from raylm.cluster.entrypoints.openai.api_server import build_engine_app
 from raylm.common.sampling_params import SamplingParams
 from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs import make_engine_config
@@ -90,7 +90,7 @@ def test_offline_failure_is_finish_reason_error_beside_whole_outputs(llama_path:
     llm = LLM(str(llama_path), **_small_engine())
     try:
         plain = SamplingParams(max_tokens=4, temperature=0.0)
-        with caplog.at_level(logging.WARNING, logger="raylm.cluster.llm"):
+        with caplog.at_level(logging.WARNING, logger="raylm.cluster.entrypoints.llm"):
             outputs = llm.generate(["hello", "hello", "world"], [plain, failing_params(), plain], use_tqdm=False)
         alone = llm.generate(["hello", "world"], plain, use_tqdm=False)
     finally:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raylm.cluster.config_resolver import resolve_engine_config
+from raylm.cluster.engine.config_resolver import resolve_engine_config
 from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import make_engine_config

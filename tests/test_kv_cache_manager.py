@@ -1,9 +1,9 @@
 """KV block pool and KV cache manager: allocation, freeing, prefix caching, LRU eviction."""
 from __future__ import annotations
 
-from raylm.cluster.block_pool import FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
-from raylm.cluster.kv_cache_manager import KVCacheManager
-from raylm.cluster.request import Request
+from raylm.cluster.core.block_pool import FreeKVCacheBlockQueue, KVCacheBlock, hash_block_tokens
+from raylm.cluster.core.kv_cache_manager import KVCacheManager
+from raylm.cluster.core.request import Request
 from raylm.common.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

@@ -20,8 +20,8 @@ import ray
 import torch
 
 from raylm.cluster import LLM, RequestOutput, SamplingParams
-from raylm.cluster.block_pool import hash_block_tokens
-from raylm.cluster.scheduler import Scheduler
+from raylm.cluster.core.block_pool import hash_block_tokens
+from raylm.cluster.core.scheduler import Scheduler
 from raylm.common.lora_request import LoRARequest
 from raylm.runner.kv_transfer.kv_store import node_kv_store
 from tests import kv_connector_recorder

@@ -22,7 +22,7 @@ import ray
 import torch
 
 from raylm.cluster import LLM, RequestOutput, SamplingParams
-from raylm.cluster.serve_pd import pd_engine_config
+from raylm.cluster.serve.serve_pd import pd_engine_config
 from raylm.configs.kv_transfer import KVTransferConfig
 from raylm.runner.kv_transfer.kv_store import kv_store_name
 from tests.test_kv_connector import (

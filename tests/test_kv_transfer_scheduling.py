@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from raylm.cluster.request import RequestStatus
-from raylm.cluster.scheduler import Scheduler
+from raylm.cluster.core.request import RequestStatus
+from raylm.cluster.core.scheduler import Scheduler
 from raylm.common.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from raylm.common.outputs import SchedulerOutput
 from raylm.configs import make_engine_config

@@ -163,7 +163,7 @@ def test_bad_adapters_are_refused(llama_path: Path, adapters: dict[str, Path], t
 
 
 def make_adapter_for_other_model(tmp_path: Path) -> Path:
-    from raylm.cluster.tiny_model import make_tiny_model
+    from raylm.cluster.models.tiny_model import make_tiny_model
 
     other = make_tiny_model(tmp_path / "other", num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=512)
     return make_adapter(other, tmp_path / "other-adapter", seed=6, r=4)

@@ -12,8 +12,8 @@ import pytest
 from fastapi import FastAPI
 from transformers import AutoTokenizer
 
-from raylm.cluster.openai.api_server import build_engine_app
-from raylm.cluster.openai.lora_endpoints import include_lora_endpoints
+from raylm.cluster.entrypoints.openai.api_server import build_engine_app
+from raylm.cluster.entrypoints.openai.lora_endpoints import include_lora_endpoints
 from raylm.configs import make_engine_config
 from tests.http_server import Server, engine_settings, wait_until
 from tests.lora_utils import make_adapter, peft_greedy
@@ -133,7 +133,7 @@ def test_runtime_updates_need_the_switch(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_dynamic_folder_names_only_subfolders(tmp_path: Path, adapters: dict[str, Path]) -> None:
-    from raylm.cluster.lora_registry import LoRARegistry
+    from raylm.cluster.engine.lora_registry import LoRARegistry
     from raylm.configs.engine_config import LoRAConfig
 
     shutil.copytree(adapters["dyn"], tmp_path / "a")

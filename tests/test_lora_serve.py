@@ -16,8 +16,8 @@ import pytest
 import ray
 from ray import serve
 
-from raylm.cluster.lora_serve import REPLICA_HEADER
-from raylm.cluster.serve import build_app, start_serve
+from raylm.cluster.serve.app import build_app, start_serve
+from raylm.cluster.serve.lora_serve import REPLICA_HEADER
 from tests.lora_utils import make_adapter
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from raylm.cluster.tiny_model import _train_tokenizer_json, count_parameters, make_tiny_model
+from raylm.cluster.models.tiny_model import _train_tokenizer_json, count_parameters, make_tiny_model
 
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SAMPLE = "The quick brown fox jumped over 12 lazy dogs, didn't it?\n  Ünïcode ✓ 你好!"
@@ -109,7 +109,7 @@ def test_skips_existing_unless_forced(tmp_path: Path) -> None:
 
 
 def test_llama3_rope_scaling_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from raylm.cluster.tiny_model import main
+    from raylm.cluster.models.tiny_model import main
 
     out = tmp_path / "rs"
     main(["--out", str(out), "--rope-scaling", "llama3", "--tie-word-embeddings", "--num-layers", "1"])

@@ -7,9 +7,9 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
-from raylm.cluster.openai.protocol import ChatCompletionRequest
-from raylm.cluster.openai.serving_chat import OpenAIServingChat
-from raylm.cluster.openai.serving_completion import OpenAIServingCompletion
+from raylm.cluster.entrypoints.openai.protocol import ChatCompletionRequest
+from raylm.cluster.entrypoints.openai.serving_chat import OpenAIServingChat
+from raylm.cluster.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 ENGINE: Any = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: f"<{ids[0]}>"))
 TOKENS = [9, 2]

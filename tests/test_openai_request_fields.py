@@ -148,6 +148,6 @@ def test_logit_bias_outside_the_vocabulary_is_refused_not_fatal(server: Server) 
 
 
 def test_unknown_fields_are_accepted_and_logged(server: Server, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="raylm.cluster.openai.serving_engine"):
+    with caplog.at_level(logging.WARNING, logger="raylm.cluster.entrypoints.openai.serving_engine"):
         assert completion(server, not_a_field=1)[0] == 200
     assert any("not_a_field" in record.getMessage() for record in caplog.records)

@@ -12,11 +12,11 @@ from typing import Any
 import openai
 import pytest
 
-import raylm.cluster.async_llm
-from raylm.cluster.async_llm import AsyncLLM
-from raylm.cluster.llm_engine import LLMEngine
-from raylm.cluster.openai.api_server import build_app, build_engine_app
-from raylm.cluster.openai.router import EngineModelRouter
+import raylm.cluster.engine.async_llm
+from raylm.cluster.engine.async_llm import AsyncLLM
+from raylm.cluster.engine.llm_engine import LLMEngine
+from raylm.cluster.entrypoints.openai.api_server import build_app, build_engine_app
+from raylm.cluster.entrypoints.openai.router import EngineModelRouter
 from raylm.configs import make_engine_config
 from tests.http_server import Server, engine_settings, metric, metrics, served_engine, wait_until
 
@@ -142,7 +142,7 @@ def test_health_follows_the_engine(llama_path: Path, monkeypatch: pytest.MonkeyP
             loading.wait()
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(raylm.cluster.async_llm, "LLMEngine", SlowLoadingEngine)
+    monkeypatch.setattr(raylm.cluster.engine.async_llm, "LLMEngine", SlowLoadingEngine)
     app, engine = build_engine_app(make_engine_config(**engine_settings(llama_path)))
     server = Server(app)
     try:

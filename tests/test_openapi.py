@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raylm.cluster.openai.api_server import build_engine_app
+from raylm.cluster.entrypoints.openai.api_server import build_engine_app
 from raylm.configs import make_engine_config
 from tests.http_server import Server, engine_settings, wait_until
 

@@ -19,4 +19,4 @@ def test_the_wheel_holds_only_raylm_and_its_command(tmp_path: Path) -> None:
     assert {"raylm/configs/tiny.yaml", "raylm/configs/serve-tiny.yaml", "raylm/runner/csrc/cpu_kernels.cpp",
             "raylm/runner/csrc/quant/block_gemm.cpp", "raylm/runner/csrc/quant/block_formats.h"} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "raylm = raylm.cluster.cli:main" in entry_points
+    assert "raylm = raylm.cluster.entrypoints.cli:main" in entry_points

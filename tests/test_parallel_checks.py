@@ -12,9 +12,9 @@ import pytest
 import ray
 
 from raylm import LLM
-from raylm.cluster.config_resolver import resolve_engine_config
-from raylm.cluster.default_gguf import default_gguf_path
-from raylm.cluster.tiny_model import make_tiny_model
+from raylm.cluster.engine.config_resolver import resolve_engine_config
+from raylm.cluster.models.default_gguf import default_gguf_path
+from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.configs import EngineConfig, make_engine_config
 
 SMALL = dict(max_model_len=128)

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from raylm.cluster import LLM
-from raylm.cluster.serve import build_openai_app, llm_server_options
+from raylm.cluster.serve.app import build_openai_app, llm_server_options
 from raylm.configs import ParallelConfig, make_engine_config
 from raylm.executor.cluster_resources import ClusterCapacity, EngineBundles, check_fits
 from raylm.executor.placement import assign_ranks, create_placement_plan, describe_engine, engine_bundles

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from raylm.cluster import LLM, RequestOutput, SamplingParams
-from raylm.cluster.scheduler import Scheduler
+from raylm.cluster.core.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 40

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from raylm.cluster import LLM, RequestOutput, SamplingParams
-from raylm.cluster.scheduler import Scheduler
+from raylm.cluster.core.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 PREFIX_LEN = 56  # three full blocks and a partial one

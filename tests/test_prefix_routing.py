@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.config_resolver import resolve_routing_policy
-from raylm.cluster.dp_client import DPEngineCoreClient
-from raylm.cluster.llm_engine import LLMEngine
-from raylm.cluster.prefix_router import PrefixAwareLoadBalancer, PrefixRouter, text_block_hashes, token_block_hashes
+from raylm.cluster.dp.dp_client import DPEngineCoreClient
+from raylm.cluster.dp.prefix_router import PrefixAwareLoadBalancer, PrefixRouter, text_block_hashes, token_block_hashes
+from raylm.cluster.engine.config_resolver import resolve_routing_policy
+from raylm.cluster.engine.llm_engine import LLMEngine
 from raylm.configs import make_engine_config
 from raylm.configs.kv_transfer import RoutingConfig
 

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.tiny_model import make_tiny_model
+from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.runner.layers.linear import RowParallelLinear
 from raylm.runner.layers.quantization import get_quantization_config
 from raylm.runner.layers.quantization.base_config import set_quant_config

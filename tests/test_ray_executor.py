@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.llm_engine import LLMEngine
-from raylm.cluster.tiny_model import make_tiny_model
+from raylm.cluster.engine.llm_engine import LLMEngine
+from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.common.outputs import SchedulerOutput
 from raylm.configs import ParallelConfig, add_engine_args, engine_args_from, make_engine_config
 from raylm.executor import Executor, UniProcExecutor

@@ -21,7 +21,7 @@ from ray import serve
 from ray._private.state import actors
 from ray.serve.context import _get_global_client
 
-from raylm.cluster.serve import (
+from raylm.cluster.serve.app import (
     SERVE_ENV_VARS,
     LLMServer,
     build_app,
@@ -72,7 +72,7 @@ def base_url(application: dict[str, Any], llama_path: Path, ray_metrics_port: in
 
 
 def test_serve_config_builds_autoscaling_deployments(application: dict[str, Any]) -> None:
-    assert application["import_path"] == "raylm.cluster.serve:build_app"
+    assert application["import_path"] == "raylm.cluster.serve.app:build_app"
     settings = dict(application["args"])
     config = make_engine_config(settings.pop("config"), **settings)
     autoscaling = llm_server_options(config)["autoscaling_config"]

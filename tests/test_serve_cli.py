@@ -17,8 +17,8 @@ def test_serve_no_ray(llama_path: Path) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "raylm.cluster.cli", "serve", "--no-ray", "--config", "raylm/configs/tiny.yaml",
-         "--model", str(llama_path), "--port", str(port), "--api-key", "sk-cli"],
+        [sys.executable, "-m", "raylm.cluster.entrypoints.cli", "serve", "--no-ray", "--config",
+         "raylm/configs/tiny.yaml", "--model", str(llama_path), "--port", str(port), "--api-key", "sk-cli"],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None

@@ -21,8 +21,8 @@ from ray import serve
 from ray.serve.context import _get_global_client
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.serve import build_app, start_serve
-from raylm.cluster.serve_pd import build_pd_openai_app, pd_engine_config
+from raylm.cluster.serve.app import build_app, start_serve
+from raylm.cluster.serve.serve_pd import build_pd_openai_app, pd_engine_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PD_CONFIG = REPO_ROOT / "raylm" / "configs" / "serve-pd-tiny.yaml"
@@ -69,7 +69,7 @@ def colocated(llama_path: Path, http_url: str) -> Iterator[LLM]:
 
 def test_pd_sides_take_their_roles_and_scale_apart() -> None:
     application = yaml.safe_load(PD_CONFIG.read_text())["applications"][0]
-    assert application["import_path"] == "raylm.cluster.serve_pd:build_pd_openai_app"
+    assert application["import_path"] == "raylm.cluster.serve.serve_pd:build_pd_openai_app"
     prefill = pd_engine_config(application["args"], "prefill_config")
     decode = pd_engine_config(application["args"], "decode_config")
     assert (prefill.kv_transfer_config.kv_connector, prefill.kv_transfer_config.kv_role) == (

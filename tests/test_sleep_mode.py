@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.outputs import EngineSleepingError
+from raylm.cluster.engine.outputs import EngineSleepingError
 from raylm.configs import envs
 from raylm.runner.sleep_mode import offload, restore, storage_bytes, unique_storages
 from tests.http_server import served_engine

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.draft_checkpoint import make_draft_checkpoint
-from raylm.cluster.scheduler import Scheduler
+from raylm.cluster.core.scheduler import Scheduler
+from raylm.cluster.tools.draft_checkpoint import make_draft_checkpoint
 from tests.reference import assert_same_output, hf_greedy
 
 MAX_TOKENS = 32

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.config_resolver import resolve_engine_config
-from raylm.cluster.draft_checkpoint import make_draft_checkpoint
-from raylm.cluster.openai.metrics import PrometheusStatLogger
-from raylm.cluster.spec_decode import SpecDecodingStats
-from raylm.cluster.stats import IterationStats, LoggingStatLogger, SchedulerStats
-from raylm.cluster.tiny_model import make_tiny_model
+from raylm.cluster.core.spec_decode import SpecDecodingStats
+from raylm.cluster.engine.config_resolver import resolve_engine_config
+from raylm.cluster.engine.stats import IterationStats, LoggingStatLogger, SchedulerStats
+from raylm.cluster.entrypoints.openai.metrics import PrometheusStatLogger
+from raylm.cluster.models.tiny_model import make_tiny_model
+from raylm.cluster.tools.draft_checkpoint import make_draft_checkpoint
 from raylm.configs import add_engine_args, engine_args_from, make_engine_config
 
 

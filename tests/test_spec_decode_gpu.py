@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.draft_checkpoint import make_draft_checkpoint
+from raylm.cluster.tools.draft_checkpoint import make_draft_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raylm.cluster.block_pool import hash_block_tokens
-from raylm.cluster.request import Request
-from raylm.cluster.scheduler import Scheduler
-from raylm.cluster.spec_decode import SpecDecodingStats
+from raylm.cluster.core.block_pool import hash_block_tokens
+from raylm.cluster.core.request import Request
+from raylm.cluster.core.scheduler import Scheduler
+from raylm.cluster.core.spec_decode import SpecDecodingStats
 from raylm.common.outputs import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig

@@ -14,9 +14,9 @@ import torch
 from transformers import AutoTokenizer
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.draft_checkpoint import make_draft_checkpoint
-from raylm.cluster.request import Request
-from raylm.cluster.structured_output import StructuredOutputManager
+from raylm.cluster.core.request import Request
+from raylm.cluster.core.structured_output import StructuredOutputManager
+from raylm.cluster.tools.draft_checkpoint import make_draft_checkpoint
 from raylm.common.outputs import GrammarOutput
 from raylm.common.structured_outputs import StructuredOutputsParams
 from tests.runner_steps import resolved_config

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.draft_checkpoint import make_draft_checkpoint
-from raylm.cluster.tiny_model import make_tiny_model
+from raylm.cluster.models.tiny_model import make_tiny_model
+from raylm.cluster.tools.draft_checkpoint import make_draft_checkpoint
 from raylm.executor.ray_executor import RayExecutor
 
 ENGINE = dict(max_model_len=128, block_size=8, max_num_batched_tokens=32, num_gpu_blocks_override=24)

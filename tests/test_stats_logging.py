@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.stats import LoggingStatLogger, SchedulerStats
+from raylm.cluster.engine.stats import LoggingStatLogger, SchedulerStats
 
 
 def test_the_line_reports_the_interval() -> None:

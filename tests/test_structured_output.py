@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.structured_output.backend_xgrammar import XgrammarBackend
+from raylm.cluster.core.structured_output.backend_xgrammar import XgrammarBackend
 from raylm.common.sampling_params import FLOAT32_MIN_POSITIVE
 from raylm.common.structured_outputs import StructuredOutputsParams
 from tests.structured_corpus import CORPUS, UNSUPPORTED, closing_bias, validate_json

@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel
 from transformers import AutoTokenizer
 
-from raylm.cluster.openai.api_server import build_engine_app
+from raylm.cluster.entrypoints.openai.api_server import build_engine_app
 from raylm.configs import make_engine_config
 from tests.http_server import Server, engine_settings, wait_until
 from tests.structured_corpus import CORPUS, UNSUPPORTED, closing_bias, validate_json

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.default_gguf import default_gguf_path
-from raylm.cluster.openai.api_server import build_engine_app
-from raylm.cluster.openai.forced_tool_calls import required_schema
-from raylm.cluster.openai.protocol_tools import ChatCompletionTool
-from raylm.cluster.structured_output.backend_xgrammar import XgrammarBackend
+from raylm.cluster.core.structured_output.backend_xgrammar import XgrammarBackend
+from raylm.cluster.entrypoints.openai.api_server import build_engine_app
+from raylm.cluster.entrypoints.openai.forced_tool_calls import required_schema
+from raylm.cluster.entrypoints.openai.protocol_tools import ChatCompletionTool
+from raylm.cluster.models.default_gguf import default_gguf_path
 from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs import make_engine_config
 from raylm.configs.gguf_metadata import get_tokenizer

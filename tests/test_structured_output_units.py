@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from raylm.cluster.config_resolver import structured_outputs_backends
-from raylm.cluster.request import Request, RequestStatus
-from raylm.cluster.scheduler import Scheduler
-from raylm.cluster.structured_output import StructuredOutputManager, validate_structured_outputs
-from raylm.cluster.structured_output.backend_xgrammar import XgrammarBackend
-from raylm.cluster.structured_output.request import StructuredOutputRequest
+from raylm.cluster.core.request import Request, RequestStatus
+from raylm.cluster.core.scheduler import Scheduler
+from raylm.cluster.core.structured_output import StructuredOutputManager, validate_structured_outputs
+from raylm.cluster.core.structured_output.backend_xgrammar import XgrammarBackend
+from raylm.cluster.core.structured_output.request import StructuredOutputRequest
+from raylm.cluster.engine.config_resolver import structured_outputs_backends
 from raylm.common.outputs import GrammarOutput, ModelRunnerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.common.structured_outputs import StructuredOutputsParams

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from raylm.cluster.openai.forced_tool_calls import RequiredToolCallParser
-from raylm.cluster.openai.tool_parsers import HermesToolParser
-from raylm.cluster.reasoning import ReasoningParser
+from raylm.cluster.core.reasoning import ReasoningParser
+from raylm.cluster.entrypoints.openai.forced_tool_calls import RequiredToolCallParser
+from raylm.cluster.entrypoints.openai.tool_parsers import HermesToolParser
 from tests.tool_model import make_tool_model
 
 CALL_A = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'

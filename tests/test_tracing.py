@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.cli import main
+from raylm.cluster.entrypoints.cli import main
 from raylm.common import tracing
 
 ENGINE_PHASES = {"schedule", "execute_model", "sample_tokens", "update_from_output", "process_outputs"}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raylm.cluster.default_model import build_default_model, served_model_name
+from raylm.cluster.models.default_model import build_default_model, served_model_name
 from raylm.configs import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def finish(process: subprocess.Popen[str]) -> tuple[str, str]:
 def test_tiny_model_is_built_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capfd: pytest.CaptureFixture[str]) -> None:
     cache = tmp_path / "cache"
-    code = "from raylm.cluster.default_model import build_default_model; print(build_default_model())"
+    code = "from raylm.cluster.models.default_model import build_default_model; print(build_default_model())"
     # Two processes at once: one builds, the other waits for it on the lock and takes its folder.
     results = [finish(p) for p in [run_python(code, REPO_ROOT, RAYLM_CACHE_DIR=str(cache)) for _ in range(2)]]
     assert sum(err.count(BUILDING_MODEL) for _, err in results) == 1

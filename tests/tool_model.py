@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from raylm.cluster.tiny_model import make_tiny_model
-from raylm.cluster.tiny_tokenizer import build_tokenizer
+from raylm.cluster.models.tiny_model import make_tiny_model
+from raylm.cluster.models.tiny_tokenizer import build_tokenizer
 
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 MODEL_VOCAB = 512

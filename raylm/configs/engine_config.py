@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 
 class _Section(BaseModel):
-    # Frozen: a decision is made once (raylm/cluster/config_resolver.py) and every layer reads it; a change is a copy.
+    # Frozen: a decision is made once (raylm/cluster/engine/config_resolver.py) and every layer reads it; a change is
+    # a copy.
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -168,8 +169,8 @@ SECTIONS: dict[str, type[BaseModel]] = {
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """The facts derived once, when the engine's config is resolved (raylm/cluster/config_resolver.py), beside the
-    `auto` fields it filled in: the checkpoint's, and how the engine runs."""
+    """The facts derived once, when the engine's config is resolved (raylm/cluster/engine/config_resolver.py), beside
+    the `auto` fields it filled in: the checkpoint's, and how the engine runs."""
 
     model_info: ModelInfo
     num_ray_bundles: int  # CPU bundles a new local Ray must declare: one per engine and per worker
@@ -207,7 +208,7 @@ class EngineConfig:
 
     @property
     def model_info(self) -> ModelInfo:
-        assert self.resolved is not None, "resolve_engine_config first (raylm/cluster/config_resolver.py)"
+        assert self.resolved is not None, "resolve_engine_config first (raylm/cluster/engine/config_resolver.py)"
         return self.resolved.model_info
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The LoRA settings decided once, when the engine's config is resolved (raylm/cluster/config_resolver.py)."""
+"""The LoRA settings decided once, when the engine's config is resolved (raylm/cluster/engine/config_resolver.py)."""
 from __future__ import annotations
 
 from raylm.configs.engine_config import LoRAConfig

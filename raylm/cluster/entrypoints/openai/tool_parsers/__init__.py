@@ -1,0 +1,14 @@
+"""Tool-call parsers: the model's own tool calls (tool_choice "auto") read back from its text."""
+from raylm.cluster.entrypoints.openai.tool_parsers.abstract import ExtractedToolCalls, ToolParser, new_tool_call_id
+from raylm.cluster.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: unknown parser {name!r}; known: {sorted(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()
+
+
+__all__ = ["TOOL_PARSERS", "ExtractedToolCalls", "ToolParser", "get_tool_parser", "new_tool_call_id"]

@@ -1,4 +1,0 @@
-"""Reasoning parsers: where a model's <think>...</think> ends, and its text split into reasoning and content."""
-from raylm.cluster.reasoning.think_parser import ReasoningParser, ReasoningStream, get_reasoning_parser
-
-__all__ = ["ReasoningParser", "ReasoningStream", "get_reasoning_parser"]

@@ -1,0 +1,200 @@
+"""The Ray Serve application: `import_path: raylm.cluster.serve.app:build_app`, `args: {config: tiny.yaml, ...}`.
+
+One LLMServer replica holds one engine and serves the same FastAPI app as `raylm serve --no-ray` over it
+(`@serve.ingress`, as Ray Serve LLM does): HTTP goes from Serve's proxy straight to a replica, with no second
+deployment hop per request or per streamed chunk. Replicas routed by prefix (routing_policy "prefix", the default
+with prefix caching, and max_replicas > 1) sit behind an OpenAI ingress instead, whose handle's request router sees
+the prompts (serve_ingress.py); serve_pd.py builds the disaggregated prefill/decode app. With tensor or pipeline
+parallel > 1, Serve creates the replica in a placement group of the engine's bundles (the replica takes the engine's
+bundle, its Ray executor's workers the rest), checked against the cluster when the app is built. Replicas autoscale
+on ongoing requests.
+
+Serve's proxy relays every SSE event of every stream, so how it talks to the replica sets the token rate: start Serve
+with `start_serve` (or a Serve config's `controller_options`) to give the proxy SERVE_ENV_VARS.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from fastapi import FastAPI
+from ray import serve
+from starlette.types import Message
+
+from raylm.cluster.engine.async_llm import AsyncLLM
+from raylm.cluster.engine.config_resolver import decide_device, resolve_routing_policy
+from raylm.cluster.entrypoints.openai.api_server import build_app as build_fastapi_app
+from raylm.cluster.entrypoints.openai.api_server import model_router
+from raylm.cluster.entrypoints.openai.lora_router import LoRAModelRouter
+from raylm.cluster.entrypoints.openai.metrics import PrometheusStatLogger
+from raylm.cluster.models.default_model import served_model_name
+from raylm.cluster.serve.asgi_relay import RelayedRequest
+from raylm.cluster.serve.lora_serve import LoRAIngress, ReplicaAdapters
+from raylm.cluster.serve.ray_metrics import RayPrometheusStatLogger
+from raylm.cluster.serve.serve_handles import LLMServerHandles
+from raylm.cluster.serve.serve_ingress import OpenAIIngress, ingress_options
+from raylm.cluster.serve.serve_router import prefix_router_config
+from raylm.configs import EngineConfig, make_engine_config
+from raylm.executor.cluster_resources import ClusterCapacity, check_fits, process_cores
+from raylm.executor.placement import describe_engine, engine_bundles
+
+# The engine batches and queues requests itself: Serve must not hold them back from a replica.
+_MAX_ONGOING_REQUESTS = 1_000_000
+
+# Ray starts worker processes at nice 15, behind the raylet, drivers and any client on the node; a replica and the
+# proxy are on the path of every token, so they run at 0 (as Ray's own job supervisor does).
+REPLICA_ENV_VARS = {"RAY_worker_niceness": "0"}
+# Read by Serve's controller and proxies when their processes start; the controller's runtime_env passes them on to the
+# proxies it creates. gRPC: the proxy streams a replica's ASGI messages over the replica's gRPC server instead of
+# Ray's object-ref streaming generator, about a third less proxy CPU per SSE event. The router on the proxy's own
+# event loop saves a thread hop per event. (README, "Serving": measured side by side with --no-ray.)
+SERVE_ENV_VARS = REPLICA_ENV_VARS | {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+class LLMEngineServer(LLMServerHandles):
+    """One replica, one engine, the OpenAI app over it. Behind an ingress it answers handle calls: the OpenAI ingress
+    of replicas routed by prefix and the PD proxy (serve_handles.py), the LoRA ingress (`relay`, lora_serve.py); as
+    LLMServer it is the app's HTTP entry itself. /metrics answers from the replica that gets the request, its series
+    labelled with that replica's id; the same series go to Ray's metrics from every replica."""
+
+    async def __init__(self, config: EngineConfig) -> None:
+        torch.set_num_threads(replica_torch_threads())
+        replica = serve.get_replica_context().replica_id.unique_id
+        model_name = served_model_name(config.model_config)
+        self.metrics = PrometheusStatLogger(model_name, replica)
+        ray_metrics = RayPrometheusStatLogger(model_name, replica)
+        self.engine = AsyncLLM(config, stat_loggers=[self.metrics, ray_metrics])
+        await self.engine.wait_until_ready()
+        router = self.router = model_router(self.engine)
+        self.asgi_app = build_fastapi_app(router, config.serving_config.api_key, self.metrics)
+        self.adapters = (ReplicaAdapters(router.models, config.lora_config.max_loras, replica)
+                         if isinstance(router, LoRAModelRouter) else None)
+
+    async def relay(self, request: RelayedRequest) -> AsyncGenerator[Message, None]:
+        """A request the LoRA ingress handed to this replica (raylm/cluster/serve/lora_serve.py)."""
+        assert self.adapters is not None, "requests are relayed only with enable_lora"
+        async for message in self.adapters.relay(self.asgi_app, request):
+            yield message
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        self.engine.shutdown()
+
+
+@serve.ingress()
+class LLMServer(LLMEngineServer):
+    """The replica as the app's HTTP entry: HTTP from Serve's proxy straight to it."""
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self.asgi_app
+
+
+def start_serve(host: str, port: int) -> None:
+    """serve.start with raylm's settings for Serve's own actors. Like any serve.start, it changes nothing where Serve
+    already runs on the cluster (Serve warns)."""
+    serve.start(http_options={"host": host, "port": port},
+                controller_options={"runtime_env": {"env_vars": SERVE_ENV_VARS}})
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """`args`: "config" (a YAML of engine settings) and any engine setting on top, e.g. "model",
+    "min_replicas", "max_replicas", "tensor_parallel_size"."""
+    settings = dict(args)
+    return build_openai_app(make_engine_config(settings.pop("config", None), **settings))
+
+
+def build_openai_app(config: EngineConfig) -> serve.Application:
+    """LLMServer replicas answering HTTP themselves; or, where replicas are routed by prefix (routing_policy, more
+    than one replica), behind an OpenAI ingress whose handle routes each request (serve_ingress.py)."""
+    model_id = served_model_name(config.model_config)
+    config = dataclasses.replace(config, model_config=config.model_config.model_copy(
+        update={"served_model_name": model_id}))
+    name, options, serving = f"LLMServer:{model_id}", llm_server_options(config), config.serving_config
+    if config.lora_config.enable_lora:
+        if serving.max_replicas > 1 and config.routing_config.routing_policy == "prefix":
+            raise ValueError("routing_policy 'prefix' over Serve replicas cannot be combined with enable_lora: the "
+                             "LoRA ingress picks replicas by adapter (Serve's multiplexing); use routing_policy auto")
+        # One ingress per app: the replicas answer the LoRA ingress's handle calls only. Serve's multiplexed routing
+        # needs the adapter's name before a replica is chosen: the ingress reads it.
+        server = serve.deployment(LLMEngineServer).options(name=name, **options).bind(config)
+        return serve.deployment(LoRAIngress).options(
+            name=f"LoRAIngress:{model_id}", max_ongoing_requests=_MAX_ONGOING_REQUESTS,
+            ray_actor_options={"num_cpus": 0.5, "runtime_env": _replica_runtime_env()}).bind(server, model_id)
+    if serving.max_replicas == 1 or resolve_routing_policy(config) == "load":
+        return serve.deployment(LLMServer).options(name=name, **options).bind(config)
+    routed = serve.deployment(LLMEngineServer).options(
+        name=name, request_router_config=prefix_router_config(config.routing_config), **options).bind(config)
+    return serve.deployment(OpenAIIngress).options(
+        **ingress_options(f"OpenAIIngress:{model_id}", serving.min_replicas, serving.max_replicas)
+    ).bind(routed, serving.api_key)
+
+
+def llm_server_options(config: EngineConfig) -> dict[str, Any]:
+    """The replica's deployment options. Its engine's config is resolved in the replica itself; the resources Serve
+    gives the replica (a GPU, the placement group of its workers) follow the resolver's own device rule, asked here
+    only when Ray is connected as the app is built (`serve run module:app` builds first: then the replica asks for no
+    device, and its resolver puts the engine's worker on a GPU actor where the cluster has GPUs)."""
+    serving, parallel = config.serving_config, config.parallel_config
+    device = decide_device(config.model_config, parallel) if ray.is_initialized() else None
+    runs_workers = parallel.world_size > 1 or parallel.distributed_executor_backend == "ray"
+    in_process_device = device == "cuda" and not runs_workers and parallel.data_parallel_size == 1
+    placement = _replica_placement(config, device) if runs_workers and parallel.data_parallel_size == 1 else {}
+    return placement | {
+        "autoscaling_config": {
+            "min_replicas": serving.min_replicas,
+            "max_replicas": serving.max_replicas,
+            "target_ongoing_requests": serving.target_ongoing_requests,
+            "upscale_delay_s": serving.upscale_delay_s,
+            "downscale_delay_s": serving.downscale_delay_s,
+        },
+        "max_ongoing_requests": _MAX_ONGOING_REQUESTS,
+        "ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if in_process_device else 0,
+                              "runtime_env": _replica_runtime_env()},
+    }
+
+
+def replica_torch_threads() -> int:
+    """The torch threads of a replica's process, where a CPU engine computes in the replica itself: every core the
+    process may run on, as `raylm serve --no-ray` uses, unless OMP_NUM_THREADS was in the environment the process
+    started with (the app's runtime_env, or the node's). Ray sets OMP_NUM_THREADS to the replica's num_cpus (1) inside
+    the process otherwise, which halved a 2-core node's throughput on SmolLM2."""
+    user_setting = _environment_at_start().get("OMP_NUM_THREADS")
+    if user_setting:
+        return max(1, int(user_setting))
+    return process_cores()
+
+
+def _environment_at_start() -> dict[str, str]:
+    """The environment the process was started with (Linux keeps it in /proc/self/environ, untouched by later
+    os.environ changes); elsewhere the runtime_env's env_vars."""
+    try:
+        entries = Path("/proc/self/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return dict(ray.get_runtime_context().runtime_env.get("env_vars", {}))
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def _replica_runtime_env() -> dict[str, Any]:
+    """The driver's runtime_env (what Serve gives a deployment that sets none) plus REPLICA_ENV_VARS."""
+    job_env = dict(ray.get_runtime_context().runtime_env) if ray.is_initialized() else {}
+    return job_env | {"env_vars": {**job_env.get("env_vars", {}), **REPLICA_ENV_VARS}}
+
+
+def _replica_placement(config: EngineConfig, device: str | None) -> dict[str, Any]:
+    """A replica whose engine runs Ray workers gets its placement group from Serve, so that Serve and the autoscaler
+    start a replica only where all of it fits. A group the cluster can never hold fails here, as the app is built,
+    instead of leaving replicas pending. Without a Ray connection yet, the replica's executor reserves and checks a
+    group of its own when it starts."""
+    if device is None:
+        return {}
+    parallel = config.parallel_config
+    capacity = ClusterCapacity.current()
+    layout = engine_bundles(parallel, device, capacity)
+    check_fits(layout.bundles, parallel.placement_group_strategy, describe_engine(layout, parallel), capacity)
+    return {"placement_group_bundles": layout.bundles, "placement_group_strategy": parallel.placement_group_strategy}
