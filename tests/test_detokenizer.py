@@ -7,9 +7,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.engine.detokenizer import IncrementalDetokenizer
 from raylm.cluster.engine.output_processor import OutputProcessor
-from raylm.cluster.engine.outputs import EngineCoreOutput, RequestOutput
+from raylm.cluster.engine.outputs import RequestOutput
 from raylm.common.outputs import LogprobsLists
 from raylm.common.sampling_params import SamplingParams
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.core.request import Request, RequestStatus
 from raylm.cluster.core.scheduler import Scheduler
-from raylm.cluster.engine.outputs import EngineCoreOutput
 from raylm.common.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig

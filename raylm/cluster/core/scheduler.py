@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.core.kv_cache_manager import KVCacheManager
 from raylm.cluster.core.kv_transfer_tracker import KVTransferTracker
 from raylm.cluster.core.lora_scheduling import LoRABatchLimit
@@ -19,7 +20,6 @@ from raylm.cluster.core.request_queue import RequestQueue, create_request_queue,
 from raylm.cluster.core.spec_decode import DraftScheduling
 from raylm.cluster.core.stop_checker import check_stop
 from raylm.cluster.core.structured_output.wait_list import GrammarWaitList
-from raylm.cluster.engine.outputs import EngineCoreOutput
 from raylm.common.outputs import CachedRequestData, LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from raylm.runner.kv_transfer import KVConnectorBase

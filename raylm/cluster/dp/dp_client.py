@@ -23,11 +23,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.core.request import Request
 from raylm.cluster.dp.dp_load_balancer import DPLoadBalancer
 from raylm.cluster.dp.engine_core_actor import EngineCoreActor, EngineCoreOutputs
 from raylm.cluster.dp.prefix_router import make_dp_balancer
-from raylm.cluster.engine.outputs import DPEngineDiedError, EngineCoreOutput
+from raylm.cluster.engine.outputs import DPEngineDiedError
 from raylm.cluster.engine.stats import SchedulerStats
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig

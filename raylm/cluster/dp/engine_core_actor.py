@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
+from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.core.request import Request
 from raylm.cluster.engine.engine_core import EngineCore
-from raylm.cluster.engine.outputs import EngineCoreOutput
 from raylm.cluster.engine.stats import SchedulerStats
 from raylm.common.parallel_layout import DataParallelInfo
 from raylm.configs import EngineConfig

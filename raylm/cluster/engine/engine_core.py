@@ -11,10 +11,11 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
+from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.core.request import Request, RequestStatus
 from raylm.cluster.core.scheduler import Scheduler
 from raylm.cluster.core.structured_output import StructuredOutputManager
-from raylm.cluster.engine.outputs import EngineCoreOutput, EngineSleepingError
+from raylm.cluster.engine.outputs import EngineSleepingError
 from raylm.cluster.engine.stats import SchedulerStats
 from raylm.common import tracing
 from raylm.common.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput

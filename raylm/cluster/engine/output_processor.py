@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.engine.detokenizer import IncrementalDetokenizer
-from raylm.cluster.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from raylm.cluster.engine.outputs import CompletionOutput, RequestOutput
 from raylm.common.outputs import LogprobsLists
 from raylm.common.sampling_params import SamplingParams
 

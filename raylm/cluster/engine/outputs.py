@@ -1,10 +1,9 @@
-"""What the engine core emits per step, and what users get back."""
+"""What users get back, and the errors a request can meet on its way (what the engine core emits per step is
+core/engine_core_output.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-from raylm.common.outputs import LogprobsLists
 
 
 class EngineSleepingError(ValueError):
@@ -26,21 +25,6 @@ class DPEngineDiedError(RuntimeError):
         super().__init__(message)
         self.request_ids = request_ids
         self.fatal = fatal
-
-
-@dataclass
-class EngineCoreOutput:
-    """The delta of one request after one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; with "error", why
-    new_logprobs: LogprobsLists | None = None
-    num_cached_tokens: int = 0
-    # The whole prompt's, with the first output token: one position per prompt token after the first.
-    new_prompt_logprobs: LogprobsLists | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, when the request finishes
 
 
 @dataclass
