@@ -74,7 +74,7 @@ def test_the_engine_sits_below_the_tools_and_front_ends() -> None:
 
 def test_an_upward_import_is_caught() -> None:
     ranks = room_ranks()
-    for source in ("from raylm.cluster.entrypoints.llm import LLM", "import raylm.cluster.serve.app.app",
+    for source in ("from raylm.cluster.entrypoints.llm import LLM", "import raylm.cluster.serve.app",
                    "from raylm.cluster import tools", "from raylm.cluster import LLM", "from .engine import x",
                    "def f():\n    from raylm.cluster.tools import serving_benchmark"):
         assert upward_imports("core", ast.parse(source), ranks), source
