@@ -18,7 +18,7 @@ def room_ranks() -> dict[str, int]:
     return {room: rank for rank, rooms in enumerate(order) for room in ([rooms] if isinstance(rooms, str) else rooms)}
 
 
-def imported_rooms(tree: ast.AST, ranks: dict[str, int]) -> set[str]:
+def imported_rooms(tree: ast.AST) -> set[str]:
     """The rooms `tree` imports from; PACKAGE itself (its face imports the front ends) and a relative import count as
     the names they are, which are no room."""
     names: list[str] = []
@@ -42,7 +42,7 @@ def imported_rooms(tree: ast.AST, ranks: dict[str, int]) -> set[str]:
 
 
 def upward_imports(room: str, tree: ast.AST, ranks: dict[str, int]) -> list[str]:
-    return sorted(target for target in imported_rooms(tree, ranks)
+    return sorted(target for target in imported_rooms(tree)
                   if target not in ranks or ranks[target] > ranks[room])
 
 
