@@ -46,8 +46,9 @@ class CacheConfig(_Section):
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="force the KV block count")
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "cpu", "triton", "flash_attn"] = Field(
-        "auto", description="attention kernel; auto: cpu (raylm's kernels) for float32 on CPU; on CUDA flash_attn "
-                            "(installed, 16-bit, block_size a multiple of 256), else triton (installed), else torch")
+        "auto", description="attention kernel; auto: cpu (raylm's kernels) for float32 and bfloat16 on CPU; on CUDA "
+                            "flash_attn (installed, 16-bit, block_size a multiple of 256), else triton (installed), "
+                            "else torch")
 
 
 class ParallelConfig(_Section):

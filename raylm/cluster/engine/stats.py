@@ -48,7 +48,7 @@ class FinishedRequestStats:
     the wait for the engine to take the request in (between steps); its wait in the scheduler's queue falls into
     prefill time, which runs to the first token. Inference time is prefill plus decode."""
 
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     e2e_latency: float  # arrival to the last output
     num_prompt_tokens: int
     num_generation_tokens: int
