@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from itertools import islice
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -33,7 +33,17 @@ from raylm.runner.models.utils import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from raylm.runner.models.cpu_layer_stack import CpuLayerStack
+
+
+class FusedDecoderLayers(Protocol):
+    """The decoder layers run as one call where a step allows it (cpu_layer_stack.CpuLayerStack): declared here so
+    that the model depends on what it calls, and the kernel stack on the model, not both ways."""
+
+    def runs(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> bool: ...
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 # The part of a packed parameter a checkpoint tensor fills: "q"/"k"/"v", an output index, or (expert id, "w1"/"w2"/"w3")
 ShardId = str | int | tuple[int, str] | None
@@ -132,7 +142,7 @@ class LlamaModel(nn.Module):
             config.num_hidden_layers, lambda i: layer_type(config, i), pp_rank, pp_size, partition)
         self.norm: nn.Module = (RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_rank
                                 else PPMissingLayer())
-        self.layer_stack: CpuLayerStack | None = None  # set after loading where the layers can run as one call
+        self.layer_stack: FusedDecoderLayers | None = None  # set after loading where the layers can run as one call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
