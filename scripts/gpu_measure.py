@@ -49,7 +49,7 @@ def free_memory() -> None:
 
 
 def make_llm(model: Path, **settings: Any) -> LLM:
-    settings = {"disable_log_stats": True, "gpu_memory_utilization": 0.4, **settings}
+    settings = {"disable_log_stats": True, "gpu_memory_utilization": 0.4, "record_forwards": True, **settings}
     return LLM(model=str(model), **settings)
 
 

@@ -121,6 +121,9 @@ class ObservabilityConfig(_Section):
     log_batch_execution: bool = Field(
         False, description="log each forward's batch decision: cudagraph mode, padding, micro-batches, DP tokens")
     log_stats_interval_s: float = Field(10.0, gt=0.0, description="seconds between engine stats lines")
+    record_forwards: bool = Field(
+        False, description="keep each forward's graph key (padded size, cudagraph mode, replayed or not) for the "
+                           "workers' cuda_graph_report (scripts/gpu_proof.py); off, the hot path records nothing")
     trace_file: str | None = Field(None, description="write a Chrome trace of every step's phases on every rank here")
 
 

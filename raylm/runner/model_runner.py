@@ -96,7 +96,8 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsProcessor(self.max_num_reqs)
         self.profile = ProfileRun(self.buffers, self.attn_backend, self.sampler, self.dtype, self.max_model_len)
         self.counts = ForwardCounts()
-        self.forward_log = ForwardLog()  # the graph key of recent forwards, for scripts/gpu_check.py
+        # The graph key of recent forwards, for scripts/gpu_proof.py: a diagnostic, kept only when asked for.
+        self.forward_log = ForwardLog() if config.observability_config.record_forwards else None
         self.log_batch_execution = config.observability_config.log_batch_execution
         # Built by load_model, which knows the process groups (a runner is built before, and tested without, them).
         self.model: torch.nn.Module | None = None
@@ -283,7 +284,8 @@ class ModelRunner:
         # The profile run has no KV cache yet, and no graph can have been captured before it.
         replay = common is not None and bool(self.kv_caches) and graphs.can_replay(descriptor, common,
                                                                                     self.kv_caches[0])
-        self.forward_log.record(descriptor, common is not None and graphs.should_replay(descriptor), replay)
+        if self.forward_log is not None:
+            self.forward_log.record(descriptor, common is not None and graphs.should_replay(descriptor), replay)
         if ubatch_slices is not None:
             self.counts.ubatched += 1
             with tracing.span("forward", num_tokens=n, ubatches=len(ubatch_slices)):

@@ -205,14 +205,14 @@ class Worker:
 
     def cuda_graph_report(self) -> dict[str, Any]:
         """The sizes FULL graphs are captured for, the graphs captured and replayed per padded size so far, and the
-        forwards run since the last call with their graph keys (runner/forward_log.py)."""
+        forwards run since the last call with their graph keys (runner/forward_log.py; with record_forwards)."""
         runner = self._runner()
         assert runner.graphs is not None
         graphs = runner.graphs.runner
         return {"capture_sizes": list(runner.graphs.dispatcher.full_capture_sizes) if graphs is not None else [],
                 "captured": dict(graphs.num_captures) if graphs is not None else {},
                 "replayed": dict(graphs.num_replays) if graphs is not None else {},
-                "forwards": runner.forward_log.drain()}
+                "forwards": runner.forward_log.drain() if runner.forward_log is not None else []}
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read an adapter into this rank's host cache (vLLM's Worker.add_lora); False if it was there."""
