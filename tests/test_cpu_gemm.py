@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from raylm.runner import cpu_kernels
 from raylm.runner.layers import cpu_gemm
-from raylm.runner.layers.cpu_gemm import KERNELS, ROW_BUCKETS, CpuGemmMixin, GemmPlan, plan_linears
+from raylm.runner.layers.cpu_gemm import FLOAT_KERNELS, ROW_BUCKETS, CpuGemmMixin, GemmPlan, plan_linears
 from raylm.runner.layers.linear import LinearBase
 from raylm.runner.models.loader import load_model
 from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
@@ -69,7 +69,7 @@ def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm
     assert all(plans[tuple(m.weight.shape)] == m.gemm_plan for m in again.modules() if isinstance(m, CpuGemmMixin))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", FLOAT_KERNELS)
 def test_every_kernel_computes_the_linear(kernel: str, gemm_cache: Path) -> None:
     """Each kernel alone gives F.linear's result, at row counts inside, at and past the skinny kernel's register
     block (12 rows a pass with AVX-512, 4 with AVX2; 13 and 25 rows split into equal passes) and past a bucket; a plan
@@ -92,7 +92,7 @@ def test_every_kernel_computes_the_linear(kernel: str, gemm_cache: Path) -> None
             torch.testing.assert_close(layer.matmul(x, bias), F.linear(x, layer.weight, bias), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", FLOAT_KERNELS)
 def test_every_kernel_computes_a_bf16_linear(kernel: str, gemm_cache: Path) -> None:
     """A bfloat16 layer through each kernel (oneDNN's bfloat16 matmul where it packs, the skinny kernel's bfloat16
     panels): F.linear in float32 on the same values, within the bfloat16 result's rounding."""

@@ -11,13 +11,17 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
-from raylm.runner.layers.linear import RowParallelLinear
-from raylm.runner.layers.quantization import get_quantization_config
+from raylm.configs import model_info
+from raylm.runner import cpu_kernels
+from raylm.runner.layers.cpu_gemm import KERNELS, ROW_BUCKETS, GemmPlan
+from raylm.runner.layers.linear import ColumnParallelLinear, RowParallelLinear
+from raylm.runner.layers.quantization import get_quantization_config, kernels
 from raylm.runner.layers.quantization.base_config import set_quant_config
 from raylm.runner.layers.quantization.ggml_blocks import Q4_1, Q8_0, dequantize, quantize
 from tests.gguf_files import write_gguf
@@ -123,3 +127,46 @@ def test_moe_models_are_refused() -> None:
     config = AutoConfig.for_model("mixtral", architectures=["MixtralForCausalLM"])
     with pytest.raises(ValueError, match="experts of MixtralForCausalLM .* not quantized yet"):
         get_quantization_config("int4", config)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-dot-products", "no-bf16-dot-products"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_each_path_of_a_quantized_linear(kernel: str, dtype: torch.dtype, native_bf16: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever its plan picks, a Q4_1 linear computes x W^T + b on its dequantized weight: the block kernel, or a
+    float kernel on the dequantized copy, float32 for float32 activations and bfloat16 for bfloat16 ones where the
+    CPU multiplies bfloat16 (forced off here: a float32 copy, x upcast). A plan of the block kernel alone keeps no
+    copy."""
+    if kernels.load() is None or (kernel == "skinny" and cpu_kernels.load() is None):
+        pytest.skip("raylm's CPU kernels could not be built here")
+    if native_bf16 and not model_info.cpu_multiplies_bf16():
+        pytest.skip("no bfloat16 dot products on this CPU")
+    monkeypatch.setattr(model_info, "cpu_multiplies_bf16", lambda: native_bf16)
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(80, 96, generator=generator), torch.randn(80, generator=generator)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with set_quant_config(get_quantization_config("int4", AutoConfig.for_model("llama"))):
+            layer = ColumnParallelLinear(96, 80, bias=True)
+    finally:
+        torch.set_default_dtype(previous)
+    layer.weight.weight_loader(layer.weight, weight)
+    layer.bias.weight_loader(layer.bias, bias.to(dtype))
+    layer.process_weights_after_loading()
+    copy_dtype = torch.bfloat16 if dtype == torch.bfloat16 and native_bf16 else torch.float32
+    assert layer.dequantized is not None and layer.dequantized.dtype == copy_dtype
+    layer.gemm_plan = GemmPlan((kernel,) * len(ROW_BUCKETS))
+    layer.process_weights_after_loading()  # what plan_linears does with the plan
+    assert (layer.dequantized is None) == (kernel == "packed")
+    dequantized = dequantize(layer.weight, Q4_1).double()
+    # A bfloat16 result, or a bfloat16 copy, rounds to 8 significant bits; float32 sums differ in order only.
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, 5, 13, 40):
+        x = torch.randn(rows, 96, generator=generator).to(dtype)
+        y = layer(x)
+        reference = F.linear(x.double(), dequantized, layer.bias.double())
+        assert y.dtype == dtype and y.shape == (rows, 80)
+        torch.testing.assert_close(y.double(), reference, rtol=tolerance,
+                                   atol=tolerance * reference.abs().max().item())

@@ -18,6 +18,12 @@ outgrow the CPU's caches, since a decode step streams each weight from memory on
 weight, sgemm at one row looked as fast as oneDNN, yet ran at half its speed from memory. Plans are kept in the
 user cache per machine (CPU features, torch, threads, shapes): every process on the machine picks the same kernels (so
 rounds alike) and a later start-up does not measure again. Delete `~/.cache/raylm/gemm_plans` to measure anew.
+
+A block-quantized layer (quantization: int8, int4, gguf) plans the same way with one more kernel, `packed`: its block
+kernel on the packed weight, fastest at a few rows where reading fewer bytes is what counts. The float kernels then run
+on a dequantized copy of the weight (`dequantized`; bfloat16 where the CPU multiplies bfloat16, x cast to it and the
+result back), kept only where the plan picks them for some bucket: on a Sapphire Rapids core the Q4_1 block kernel ran
+at 0.9-1.0x float32 from 32 rows, oneDNN on a bfloat16 copy (AMX) at 2.7-3.8x (docs/cpu-performance.md).
 """
 from __future__ import annotations
 
@@ -56,10 +62,11 @@ _COLD_BYTES = 96 * 2**20
 # GFLOP/s); from 128 rows on, they were even.
 _SKINNY_MAX_ROWS = 128
 
-Shape = tuple[int, int, bool]  # (out_features, in_features, has_bias)
+Shape = tuple[int, int, bool, str]  # (out_features, in_features, has_bias, weight: its dtype or block format)
 
 
-KERNELS = ("sgemm", "onednn", "skinny")
+FLOAT_KERNELS = ("sgemm", "onednn", "skinny")
+KERNELS = (*FLOAT_KERNELS, "packed")  # packed: a block-quantized layer's own kernel
 
 
 @dataclass(frozen=True)
@@ -96,22 +103,37 @@ class CpuGemmMixin:
     gemm_plan: GemmPlan | None = None  # None until planned: onednn wherever a packed copy exists
     upcast_weight: torch.Tensor | None = None  # float32 copy of a bfloat16 weight oneDNN cannot pack here
     upcast_bias: torch.Tensor | None = None
+    # A block-quantized layer's own kernel (`packed` in plans) and its weight's float copy for the float kernels.
+    block_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    dequantized: torch.Tensor | None = None
+
+    def gemm_weight(self) -> torch.Tensor:
+        """The float weight the float kernels run on: the dequantized copy of a quantized layer, else the weight."""
+        return self.dequantized if self.dequantized is not None else self.weight
+
+    def weight_kind(self) -> str:
+        """The planned weight's dtype, or its block format and its copy's dtype (plans are kept per kind)."""
+        if self.block_matmul is None:
+            return str(self.weight.dtype).removeprefix("torch.")
+        fmt = getattr(self.weight, "quant_format", None)
+        return f"{getattr(fmt, 'name', 'blocks')} as {str(self.gemm_weight().dtype).removeprefix('torch.')}"
 
     def process_weights_after_loading(self) -> None:
         """Pack the weight for oneDNN (again after sleep mode's wake-up), unless its plan never uses oneDNN, and for
         the skinny kernel where its plan uses it; or upcast a bfloat16 weight once where oneDNN cannot pack it."""
-        on_cpu = self.weight.device.type == "cpu"
-        if on_cpu and self.weight.dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16):
+        weight = self.gemm_weight()
+        on_cpu = weight.device.type == "cpu"
+        if on_cpu and self.block_matmul is None and weight.dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16):
             self.upcast_weight = self.weight.detach().float()
             self.upcast_bias = None if self.bias is None else self.bias.detach().float()
             return
         plan = self.gemm_plan
         wanted = plan is None or "onednn" in plan.kernels
-        self.packed_weight = pack_weight(self.weight) if wanted and on_cpu and onednn_packs(self.weight.dtype) else None
-        ops = skinny_ops(self.weight)
+        self.packed_weight = pack_weight(weight) if wanted and on_cpu and onednn_packs(weight.dtype) else None
+        ops = skinny_ops(weight)
         self.skinny_weight = None
         if plan is not None and "skinny" in plan.kernels and ops is not None:
-            self.skinny_weight = ops.pack_skinny(self.weight.detach().contiguous())
+            self.skinny_weight = ops.pack_skinny(weight.detach().contiguous())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x W^T + bias, by the plan's kernel for x's rows; F.linear where nothing was packed (on a GPU: cuBLAS)."""
@@ -119,14 +141,27 @@ class CpuGemmMixin:
             assert bias is None or bias is self.bias, "the upcast path adds the layer's own bias or none"
             return F.linear(x.float(), self.upcast_weight, None if bias is None else self.upcast_bias).to(x.dtype)
         packed, plan = self.packed_weight, self.gemm_plan
-        kernel = ("onednn" if packed is not None else "sgemm") if plan is None else plan.kernel_for(x.shape[0])
+        if plan is None:  # unplanned: a quantized layer's block kernel, else oneDNN where packed
+            kernel = "packed" if self.block_matmul is not None else "onednn" if packed is not None else "sgemm"
+        else:
+            kernel = plan.kernel_for(x.shape[0])
+        if self.block_matmul is not None:
+            if kernel == "packed" or self.dequantized is None:
+                return self.block_matmul(x, bias)
+            # The copy's dtype may differ from x's (bfloat16 for float32 activations): cast there and back.
+            y = self._float_matmul(kernel, x.to(self.dequantized.dtype), None).to(x.dtype)
+            return y if bias is None else y.add_(bias)
+        return self._float_matmul(kernel, x, bias)
+
+    def _float_matmul(self, kernel: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight, packed = self.gemm_weight(), self.packed_weight
         if kernel == "skinny" and self.skinny_weight is not None and x.dim() == 2 and x.stride(-1) == 1:
             ops = cpu_kernels.load()
             assert ops is not None, "a skinny copy exists only where the kernels were built"
-            return ops.skinny_linear(x, self.skinny_weight, self.weight.shape[0], bias)
+            return ops.skinny_linear(x, self.skinny_weight, weight.shape[0], bias)
         if kernel == "onednn" and packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        return F.linear(x, weight, bias)
 
     def kernel_name(self) -> str:
         """The kernel this layer runs on CPU, for the start-up line."""
@@ -162,19 +197,21 @@ def plan_linears(model: nn.Module) -> None:
     layers: dict[Shape, list[CpuGemmMixin]] = {}
     for module in model.modules():
         if isinstance(module, CpuGemmMixin) and module.packed_weight is not None:
-            out_features, in_features = module.weight.shape
-            layers.setdefault((out_features, in_features, module.bias is not None), []).append(module)
+            out_features, in_features = module.gemm_weight().shape
+            shape = (out_features, in_features, module.bias is not None, module.weight_kind())
+            layers.setdefault(shape, []).append(module)
     unplanned = sorted({m.kernel_name() for m in model.modules() if isinstance(m, CpuGemmMixin)} - {"planned"})
     if unplanned:
         show_info(logger)
         logger.info("cpu linear kernels: %s%s", ", ".join(unplanned), _why_not_onednn(model))
     if not layers:
         return
-    dtype, threads = next(iter(layers.values()))[0].weight.dtype, torch.get_num_threads()
-    shapes = sorted(layers)
-    # The kernels' build (named by their sources' hash), so that a changed skinny kernel is timed again.
-    skinny = skinny_ops(next(iter(layers.values()))[0].weight)
-    skinny_build = None if skinny is None else skinny.__name__
+    threads, shapes = torch.get_num_threads(), sorted(layers)
+    dtype = sorted({shape[3] for shape in shapes})
+    # The kernels' builds (named by their sources' hash), so that a changed skinny or block kernel is timed again.
+    builds = sorted({str(getattr(ops, "__name__", None)) for group in layers.values()
+                     for ops in (skinny_ops(group[0].gemm_weight()), getattr(group[0], "block_kernels", None))})
+    skinny_build = ", ".join(builds)
     key = content_key("gemm_plans", repr(shapes), str(dtype), str(threads), cpu_flags(), torch.__version__,
                       repr(ROW_BUCKETS), f"cold {_COLD_MAX_ROWS} rows {_COLD_BYTES}", f"kernels {KERNELS}",
                       f"skinny {skinny_build} up to {_SKINNY_MAX_ROWS} rows", sys.implementation.cache_tag)
@@ -183,7 +220,7 @@ def plan_linears(model: nn.Module) -> None:
     def time_into(tmp: Path) -> dict[Shape, GemmPlan]:
         plans, figures = {}, {}
         for shape in shapes:
-            plans[shape], figures[f"{shape[0]}x{shape[1]}"] = time_kernels(layers[shape])
+            plans[shape], figures[f"{shape[0]}x{shape[1]} {shape[3]}"] = time_kernels(layers[shape])
         (tmp / "plans.json").write_text(json.dumps({
             "dtype": str(dtype), "threads": threads, "row_buckets": ROW_BUCKETS, "gflops": figures,
             "plans": [[*shape, plans[shape].kernels] for shape in shapes]}))
@@ -193,18 +230,19 @@ def plan_linears(model: nn.Module) -> None:
                                           f"({threads} threads; once per machine, a few seconds)...")
     if plans is None:
         saved = json.loads((folder / "plans.json").read_text())["plans"]
-        plans = {(out_f, in_f, bias): GemmPlan(tuple(kernels)) for out_f, in_f, bias, kernels in saved}
+        plans = {(out_f, in_f, bias, kind): GemmPlan(tuple(kernels)) for out_f, in_f, bias, kind, kernels in saved}
     for shape, modules in layers.items():
         for module in modules:
             module.gemm_plan = plans[shape]
             module.process_weights_after_loading()
     show_info(logger)
     logger.info("cpu linear kernels (%d threads): %s", threads,
-                "; ".join(f"{out_f}x{in_f}: {plans[(out_f, in_f, b)].describe()}" for out_f, in_f, b in shapes))
+                "; ".join(f"{out_f}x{in_f}{'' if kind in ('float32', 'bfloat16') else f' ({kind})'}: "
+                          f"{plans[(out_f, in_f, b, kind)].describe()}" for out_f, in_f, b, kind in shapes))
 
 
 def _why_not_onednn(model: nn.Module) -> str:
-    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, CpuGemmMixin)}
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, CpuGemmMixin) and m.block_matmul is None}
     if torch.bfloat16 in dtypes and not onednn_packs(torch.bfloat16):
         return (" (bfloat16 weights upcast to float32 once: oneDNN's bfloat16 kernels need AVX-512 BW/VL/DQ or "
                 f"AVX-NE-CONVERT, and this CPU has {torch.backends.cpu.get_cpu_capability()})")
@@ -215,13 +253,17 @@ def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[f
     """Times the kernels on the layers' weights (all of one shape) at every row bucket, their calls interleaved
     (best of _TIMED_ROUNDS each; skinny up to _SKINNY_MAX_ROWS rows, where it applies); returns the plan and the
     GFLOP/s of each kernel per bucket timed."""
-    out_features, in_features = layers[0].weight.shape
+    weight = layers[0].gemm_weight()
+    out_features, in_features = weight.shape
     bias = None if layers[0].bias is None else torch.zeros_like(layers[0].bias)
-    weight_bytes = layers[0].weight.numel() * layers[0].weight.element_size()
+    # Enough layers that the smallest form of the weight (a quantized layer's blocks) outgrows the caches.
+    weight_bytes = min(w.numel() * w.element_size() for w in (weight, layers[0].weight))
     num_cold = min(len(layers), -(-_COLD_BYTES // weight_bytes))
-    ops = skinny_ops(layers[0].weight)
+    ops = skinny_ops(weight)
     # Packed once for every bucket that times them (up to _COLD_BYTES of them for the cold small ones).
-    skinny = None if ops is None else [ops.pack_skinny(layer.weight.detach()) for layer in layers[:num_cold]]
+    skinny = None if ops is None else [ops.pack_skinny(layer.gemm_weight().detach()) for layer in layers[:num_cold]]
+    # x as the layer receives it: float32 activations for a quantized layer, whatever its copy's dtype.
+    x_dtype = torch.float32 if layers[0].block_matmul is not None else weight.dtype
     choices: list[str] = []
     figures: dict[str, list[float]] = {name: [] for name in KERNELS}
     for rows in ROW_BUCKETS:
@@ -230,7 +272,7 @@ def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[f
             choices.append(choices[-1])
             continue
         num_timed = num_cold if rows <= _COLD_MAX_ROWS else 1
-        best = _best_seconds(torch.randn(rows, in_features, dtype=layers[0].weight.dtype), layers[:num_timed], bias,
+        best = _best_seconds(torch.randn(rows, in_features, dtype=x_dtype), layers[:num_timed], bias,
                              skinny[:num_timed] if skinny is not None and rows <= _SKINNY_MAX_ROWS else None)
         for name, seconds in best.items():
             figures[name].append(round(flops / seconds / 1e9, 1))
@@ -242,22 +284,31 @@ def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tenso
                   skinny: list[torch.Tensor] | None) -> dict[str, float]:
     """Seconds per call of each kernel, over the layers' weights in turn; the skinny kernel too where `skinny` holds
     the layers' panels."""
-    ops = None if skinny is None else skinny_ops(layers[0].weight)
-    out_features = layers[0].weight.shape[0]
-    weights = [(layer.weight, layer.packed_weight, None if skinny is None else skinny[i])
+    ops = None if skinny is None else skinny_ops(layers[0].gemm_weight())
+    out_features, dtype = layers[0].gemm_weight().shape[0], layers[0].gemm_weight().dtype
+    weights = [(layer, layer.gemm_weight(), layer.packed_weight, None if skinny is None else skinny[i])
                for i, layer in enumerate(layers)]
-    calls: dict[str, Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]] = {
-        "sgemm": lambda weight, packed, skinny: F.linear(x, weight, bias),
-        "onednn": lambda weight, packed, skinny: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
+    quantized = layers[0].block_matmul is not None
+    # A quantized layer's float kernels take x cast to its copy's dtype and give back x's, as CpuGemmMixin.matmul.
+    cast_in, cast_out = (lambda: x.to(dtype)), (lambda y: y.to(x.dtype) if quantized else y)
+    float_bias = None if bias is None else bias.to(dtype)
+    Call = Callable[[CpuGemmMixin, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+    calls: dict[str, Call] = {
+        "sgemm": lambda layer, weight, packed, skinny: cast_out(F.linear(cast_in(), weight, float_bias)),
+        "onednn": lambda layer, weight, packed, skinny: cast_out(
+            torch.ops.mkldnn._linear_pointwise(cast_in(), packed, float_bias, "none", [], "")),
     }
     if ops is not None:
-        calls["skinny"] = lambda weight, packed, skinny: ops.skinny_linear(x, skinny, out_features, bias)
+        calls["skinny"] = lambda layer, weight, packed, skinny: cast_out(
+            ops.skinny_linear(cast_in(), skinny, out_features, float_bias))
+    if quantized:
+        calls["packed"] = lambda layer, weight, packed, skinny: layer.block_matmul(x, bias)
     best = {name: float("inf") for name in calls}
     for round_index in range(_TIMED_ROUNDS + 1):
         for name, call in calls.items():
             start = time.perf_counter()
-            for weight, packed, skinny in weights:
-                call(weight, packed, skinny)
+            for layer, weight, packed, skinny in weights:
+                call(layer, weight, packed, skinny)
             if round_index:  # round 0 warms up: oneDNN creates its primitive, the caches fill
                 best[name] = min(best[name], (time.perf_counter() - start) / len(weights))
     return best

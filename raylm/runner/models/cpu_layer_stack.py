@@ -38,7 +38,7 @@ class CpuLayerStack:
         self.plans = [linear.gemm_plan for linear in linears_of(first)]  # one per shape, shared by every layer
         self.rotary = attention.rotary_emb
         self.scale, self.eps = attention.attn.scale, first.input_layernorm.variance_epsilon
-        hidden_size, intermediate_size = mlp.down_proj.weight.shape
+        hidden_size, intermediate_size = mlp.down_proj.gemm_weight().shape  # a quantized layer's float copy
         self.dims = [attention.num_heads, attention.num_kv_heads, attention.head_dim, self.rotary.rotary_dim,
                      hidden_size, intermediate_size]
 
@@ -96,6 +96,8 @@ def why_not_stacked(model: nn.Module) -> str | None:
             return "its rotary embedding is not the neox kind"
         if any(linear.skinny_weight is None or linear.lora is not None for linear in linears_of(layer)):
             return "its linears are not planned to the skinny kernel, or carry LoRA"
+        if any(linear.gemm_weight().dtype != layer.input_layernorm.weight.dtype for linear in linears_of(layer)):
+            return "its linears' weights (a quantized layer's float copy) are not in the activations' dtype"
         if {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon} != {
                 layers[0].input_layernorm.variance_epsilon}:
             return "its norms differ in eps"

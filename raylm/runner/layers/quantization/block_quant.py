@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from raylm.configs import model_info
+from raylm.runner.layers.cpu_gemm import CpuGemmMixin, onednn_packs
 from raylm.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from raylm.runner.layers.linear import LinearBase, UnquantizedLinearMethod, WeightLoader, set_weight_loader
 from raylm.runner.layers.quantization import kernels
@@ -95,6 +97,8 @@ class BlockQuantMethod(QuantizeMethodBase):
         fmt = layer.weight.quant_format
         if fmt is None:
             return _FLOAT.apply(layer, x, bias)
+        if layer.block_matmul is not None:  # the GEMM plan picks the block kernel or a float one on the copy
+            return layer.matmul(x, bias)
         return kernels.block_linear(x, layer.weight, fmt, bias, layer.block_kernels)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -104,14 +108,26 @@ class BlockQuantMethod(QuantizeMethodBase):
         return kernels.block_rows(layer.weight, ids, fmt, layer.params_dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if layer.weight.quant_format is None:
-            _FLOAT.process_weights_after_loading(layer)
+        fmt = layer.weight.quant_format
         # Decided once per layer (device, dtype, custom_ops are fixed by now) rather than on every call.
         layer.block_kernels = kernels.kernels_for(layer.weight.device, layer.params_dtype)
+        layer.block_matmul, layer.dequantized = None, None
+        ops = kernels.kernels_for(layer.weight.device, torch.float32)
+        if fmt is not None and ops is not None and isinstance(layer, CpuGemmMixin):
+            # The block kernel (float32 in and out) is one candidate of the layer's GEMM plan; the float kernels run
+            # on a dequantized copy, made only while the plan is unknown (to time it) or picks them for some rows.
+            layer.block_matmul = lambda x, bias: kernels.block_linear(
+                x.float(), layer.weight, fmt, None if bias is None else bias.float(), ops).to(x.dtype)
+            copy_dtype = dequantized_dtype(layer.params_dtype)
+            plan = layer.gemm_plan
+            if onednn_packs(copy_dtype) and (plan is None or set(plan.kernels) != {"packed"}):
+                layer.dequantized = dequantize(layer.weight.detach(), fmt).to(copy_dtype)
+        if fmt is None or layer.block_matmul is not None:
+            _FLOAT.process_weights_after_loading(layer)
 
     def kernel_name(self, layer: nn.Module) -> str:
         fmt = layer.weight.quant_format
-        if fmt is None:
+        if fmt is None or layer.packed_weight is not None:
             return _FLOAT.kernel_name(layer)
         return f"{fmt.name} blocks" + ("" if layer.block_kernels is not None else " (dequantized per call)")
 
@@ -133,6 +149,16 @@ class BlockQuantConfig(QuantizationConfig):
         if isinstance(layer, LinearBase):
             return BlockQuantMethod(self.linear_format)
         return None
+
+
+def dequantized_dtype(activations: torch.dtype) -> torch.dtype:
+    """The dtype of a quantized layer's float copy: the activations' (`dtype`), except bfloat16 on a CPU without
+    bfloat16 dot products (cpu_multiplies_bf16, the rule of `dtype: auto`), where the copy is float32 and x is upcast,
+    as float bfloat16 layers do there. float32 activations (`dtype: auto` for a quantized model) keep a float32 copy:
+    a bfloat16 one ran 2.7-3.8x faster from 8 rows on AMX but rounds x and the weights to 8 bits, off float32's
+    results by more than the parity tests allow (docs/cpu-performance.md, "Quantized weights at every batch size")."""
+    native = activations == torch.bfloat16 and model_info.cpu_multiplies_bf16()
+    return torch.bfloat16 if native else torch.float32
 
 
 def _name(fmt: BlockFormat | None) -> str:
