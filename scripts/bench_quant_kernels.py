@@ -1,12 +1,17 @@
 """Weight-only quantized matmul kernels on CPU, side by side on one model's weight shapes: float32 F.linear, torch's own
 weight-only ops (`_weight_int8pack_mm`: int8, one scale per output channel; `_weight_int4pack_mm_for_cpu`: 4-bit
-groups of 32 with a scale and a zero, fed float32 or bfloat16 activations) and raylm's block kernels (Q8_0, Q4_1).
+groups of 32 with a scale and a zero, fed float32 or bfloat16 activations), raylm's block kernels (Q8_0, Q4_1) and
+the float kernels a quantized layer's GEMM plan weighs against them (runner/layers/cpu_gemm.py): oneDNN and the
+skinny kernel on a float32 copy of the dequantized weight (the same kernels a float32 model plans among), and on a
+bfloat16 copy with x cast to bfloat16 and back (what float32 activations would pay for it; not used by raylm).
+A summary follows: per batch, each quantized layer against float32 (best of sgemm, oneDNN, skinny): the block kernel
+alone (raylm before its plan took quantized layers) and planned (the faster of the block kernel and float32's).
 
 Each kernel cycles through enough copies of its weights to overflow the CPU caches (as a decode step streams every
 layer's weights from memory), the kernels' calls interleave, and each figure is the median of the rounds. torch's int4
 op runs Q4_1's exact numbers (zero = m + 8 d); its int8 op needs per-channel scales, so it gets its own quantization.
 
-    python scripts/bench_quant_kernels.py [--shapes smollm2|100m] [--rows 1 4 32 256] [--rounds 15]
+    python scripts/bench_quant_kernels.py [--shapes smollm2|100m] [--rows 1 8 32 64] [--rounds 15] [--no-torch]
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raylm.runner import cpu_kernels  # noqa: E402
 from raylm.runner.layers.quantization import kernels  # noqa: E402
 from raylm.runner.layers.quantization.ggml_blocks import Q4_1, Q8_0, dequantize, quantize  # noqa: E402
 from scripts.bench_common import machine_line  # noqa: E402
@@ -45,9 +51,16 @@ def _torch_int4(packed_q4_1: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor
     return packed, torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous()
 
 
-def kernels_for_shape(n: int, k: int, copies: int) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
+def kernels_for_shape(n: int, k: int, copies: int,
+                      with_torch: bool) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
     """name -> call(x, copy index), each checked against its dequantize-then-matmul on one input first."""
     floats = [torch.randn(n, k) * 0.05 for _ in range(copies)]
+    ops = cpu_kernels.load()
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in floats]
+    skinny = [ops.pack_skinny(w) for w in floats]
+    bf16 = [w.bfloat16() for w in floats]
+    onednn_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in bf16]
+    skinny_bf16 = [ops.pack_skinny(w) for w in bf16]
     q8 = [quantize(w, Q8_0) for w in floats]
     q4 = [quantize(w, Q4_1) for w in floats]
     scales = [w.abs().amax(1) / 127 for w in floats]
@@ -56,6 +69,11 @@ def kernels_for_shape(n: int, k: int, copies: int) -> dict[str, Callable[[torch.
     int4_bf16 = [(p, sz.bfloat16()) for p, sz in int4]
     calls: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
         "float32": lambda x, i: F.linear(x, floats[i]),
+        "float32 onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
+        "float32 skinny": lambda x, i: ops.skinny_linear(x, skinny[i], n, None),
+        "bf16 copy onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(
+            x.bfloat16(), onednn_bf16[i], None, "none", [], "").float(),
+        "bf16 copy skinny": lambda x, i: ops.skinny_linear(x.bfloat16(), skinny_bf16[i], n, None).float(),
         "torch int8": lambda x, i: torch.ops.aten._weight_int8pack_mm(x, int8[i], scales[i]),
         "torch int4": lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[i][0], 32, int4[i][1]),
         "torch int4 bf16": lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -63,7 +81,11 @@ def kernels_for_shape(n: int, k: int, copies: int) -> dict[str, Callable[[torch.
         "raylm Q8_0": lambda x, i: kernels.block_linear(x, q8[i], Q8_0, None),
         "raylm Q4_1": lambda x, i: kernels.block_linear(x, q4[i], Q4_1, None),
     }
-    references = {"float32": floats[0], "torch int8": int8[0].float() * scales[0][:, None],
+    if not with_torch:
+        calls = {name: call for name, call in calls.items() if not name.startswith("torch")}
+    references = {"float32": floats[0], "float32 onednn": floats[0], "float32 skinny": floats[0],
+                  "bf16 copy onednn": floats[0], "bf16 copy skinny": floats[0],
+                  "torch int8": int8[0].float() * scales[0][:, None],
                   "torch int4": dequantize(q4[0], Q4_1), "torch int4 bf16": dequantize(q4[0], Q4_1),
                   "raylm Q8_0": dequantize(q8[0], Q8_0), "raylm Q4_1": dequantize(q4[0], Q4_1)}
     x = torch.randn(3, k)
@@ -73,12 +95,13 @@ def kernels_for_shape(n: int, k: int, copies: int) -> dict[str, Callable[[torch.
     return calls
 
 
-def bench(shapes: list[tuple[str, int, int]], rows: list[int], rounds: int) -> None:
+def bench(shapes: list[tuple[str, int, int]], rows: list[int], rounds: int, with_torch: bool) -> None:
     header = ["layer", "rows"]
     results: list[list[str]] = []
+    summed: dict[int, dict[str, float]] = {}
     for layer, n, k in shapes:
         copies = max(2, _STREAM_BYTES // (n * k * 4))
-        calls = kernels_for_shape(n, k, copies)
+        calls = kernels_for_shape(n, k, copies, with_torch)
         header = ["layer", "rows", *[f"{name} (us)" for name in calls], "best"]
         for m in rows:
             x = torch.randn(m, k)
@@ -94,23 +117,44 @@ def bench(shapes: list[tuple[str, int, int]], rows: list[int], rounds: int) -> N
                     times[name].append(time.perf_counter() - start)
             medians = {name: statistics.median(t) * 1e6 for name, t in times.items()}
             best = min(medians, key=medians.__getitem__)
-            results.append([f"{layer} {n}x{k}", str(m), *[f"{v:.0f}" for v in medians.values()], best])
+            results.append([f"{layer} {n}x{k}", str(m), *[f"{medians[name]:.0f}" for name in calls], best])
+            # The plan's pick per shape and bucket: the faster of the block kernel and float32's best kernel.
+            medians["float32 best"] = min(medians["float32"], medians["float32 onednn"], medians["float32 skinny"])
+            for fmt in ("Q8_0", "Q4_1"):
+                medians[f"{fmt} planned"] = min(medians[f"raylm {fmt}"], medians["float32 best"])
+            medians["bf16 copy"] = min(medians["bf16 copy onednn"], medians["bf16 copy skinny"])
+            summed.setdefault(m, {name: 0.0 for name in medians})
+            for name, value in medians.items():
+                summed[m][name] += value
             print(" | ".join(results[-1]), file=sys.stderr, flush=True)
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in results:
         print("| " + " | ".join(row) + " |")
+    summary(summed)
+
+
+def summary(summed: dict[int, dict[str, float]]) -> None:
+    """Per batch, one layer of each shape summed: float32's best kernel, and each format's speed against it: the block
+    kernel alone, planned (per shape the faster of it and float32's kernels on the copy), and the bfloat16 copy."""
+    print("\n| rows | float32 best (us) | Q8_0 blocks | Q8_0 planned | Q4_1 blocks | Q4_1 planned | bf16 copy |\n"
+          "|---|---|---|---|---|---|---|")
+    for m, t in summed.items():
+        best = t["float32 best"]
+        cells = [t[name] for name in ("raylm Q8_0", "Q8_0 planned", "raylm Q4_1", "Q4_1 planned", "bf16 copy")]
+        print(f"| {m} | {best:.0f} | " + " | ".join(f"{best / c:.2f}x" for c in cells) + " |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", choices=SHAPES, default="smollm2")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 256])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--no-torch", action="store_true", help="leave out torch's own weight-only ops")
     args = parser.parse_args()
     assert kernels.load() is not None, "raylm's quantized kernels did not build"
     before = machine_line()
     print(before, file=sys.stderr)
-    bench(SHAPES[args.shapes], args.rows, args.rounds)
+    bench(SHAPES[args.shapes], args.rows, args.rounds, not args.no_torch)
     print(f"\n{torch.get_num_threads()} threads, median of {args.rounds} interleaved calls, weights streamed from "
           f"memory (copies past the caches)\nbefore: {before}\nafter:  {machine_line()}")
 

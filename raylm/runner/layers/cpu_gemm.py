@@ -21,9 +21,10 @@ rounds alike) and a later start-up does not measure again. Delete `~/.cache/rayl
 
 A block-quantized layer (quantization: int8, int4, gguf) plans the same way with one more kernel, `packed`: its block
 kernel on the packed weight, fastest at a few rows where reading fewer bytes is what counts. The float kernels then run
-on a dequantized copy of the weight (`dequantized`; bfloat16 where the CPU multiplies bfloat16, x cast to it and the
-result back), kept only where the plan picks them for some bucket: on a Sapphire Rapids core the Q4_1 block kernel ran
-at 0.9-1.0x float32 from 32 rows, oneDNN on a bfloat16 copy (AMX) at 2.7-3.8x (docs/cpu-performance.md).
+on a dequantized copy of the weight (`dequantized`, in the activations' dtype: quantization.block_quant says when not),
+kept only where the plan picks them for some bucket: on a Sapphire Rapids core the block kernels ran 1.5-2x float32 at
+one row and 0.84-0.94x from 8 rows on SmolLM2's shapes, where the plan's float kernels keep 1.0x
+(docs/cpu-performance.md).
 """
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ class CpuGemmMixin:
         if self.block_matmul is not None:
             if kernel == "packed" or self.dequantized is None:
                 return self.block_matmul(x, bias)
-            # The copy's dtype may differ from x's (bfloat16 for float32 activations): cast there and back.
+            # The copy's dtype may differ from x's (float32 for bfloat16 activations on a CPU without bfloat16
+            # products): cast there and back, the bias added in x's dtype.
             y = self._float_matmul(kernel, x.to(self.dequantized.dtype), None).to(x.dtype)
             return y if bias is None else y.add_(bias)
         return self._float_matmul(kernel, x, bias)
@@ -207,14 +209,13 @@ def plan_linears(model: nn.Module) -> None:
     if not layers:
         return
     threads, shapes = torch.get_num_threads(), sorted(layers)
-    dtype = sorted({shape[3] for shape in shapes})
+    kinds = sorted({shape[3] for shape in shapes})
     # The kernels' builds (named by their sources' hash), so that a changed skinny or block kernel is timed again.
     builds = sorted({str(getattr(ops, "__name__", None)) for group in layers.values()
                      for ops in (skinny_ops(group[0].gemm_weight()), getattr(group[0], "block_kernels", None))})
-    skinny_build = ", ".join(builds)
-    key = content_key("gemm_plans", repr(shapes), str(dtype), str(threads), cpu_flags(), torch.__version__,
+    key = content_key("gemm_plans", repr(shapes), str(kinds), str(threads), cpu_flags(), torch.__version__,
                       repr(ROW_BUCKETS), f"cold {_COLD_MAX_ROWS} rows {_COLD_BYTES}", f"kernels {KERNELS}",
-                      f"skinny {skinny_build} up to {_SKINNY_MAX_ROWS} rows", sys.implementation.cache_tag)
+                      f"builds {builds}, skinny up to {_SKINNY_MAX_ROWS} rows", sys.implementation.cache_tag)
     folder = cache_path("gemm_plans", key)
 
     def time_into(tmp: Path) -> dict[Shape, GemmPlan]:
@@ -222,7 +223,7 @@ def plan_linears(model: nn.Module) -> None:
         for shape in shapes:
             plans[shape], figures[f"{shape[0]}x{shape[1]} {shape[3]}"] = time_kernels(layers[shape])
         (tmp / "plans.json").write_text(json.dumps({
-            "dtype": str(dtype), "threads": threads, "row_buckets": ROW_BUCKETS, "gflops": figures,
+            "weights": kinds, "threads": threads, "row_buckets": ROW_BUCKETS, "gflops": figures,
             "plans": [[*shape, plans[shape].kernels] for shape in shapes]}))
         return plans
 
