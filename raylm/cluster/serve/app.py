@@ -51,7 +51,7 @@ REPLICA_ENV_VARS = {"RAY_worker_niceness": "0"}
 # Read by Serve's controller and proxies when their processes start; the controller's runtime_env passes them on to the
 # proxies it creates. gRPC: the proxy streams a replica's ASGI messages over the replica's gRPC server instead of
 # Ray's object-ref streaming generator, about a third less proxy CPU per SSE event. The router on the proxy's own
-# event loop saves a thread hop per event. (README, "Serving": measured side by side with --no-ray.)
+# event loop saves a thread hop per event. (docs/performance.md: measured side by side with --no-ray.)
 SERVE_ENV_VARS = REPLICA_ENV_VARS | {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
