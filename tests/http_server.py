@@ -71,9 +71,9 @@ def engine_settings(model: Path) -> dict[str, Any]:
 
 
 @contextmanager
-def served_engine(model: Path) -> Iterator[tuple[Server, AsyncLLM]]:
-    """The app over one engine, served once the model is loaded."""
-    app, engine = build_engine_app(make_engine_config(**engine_settings(model)))
+def served_engine(model: Path, **settings: Any) -> Iterator[tuple[Server, AsyncLLM]]:
+    """The app over one engine (engine_settings, `settings` on top), served once the model is loaded."""
+    app, engine = build_engine_app(make_engine_config(**{**engine_settings(model), **settings}))
     server = Server(app)
     try:
         wait_until(lambda: server.request("GET", "/health")[0] == 200, "the engine to load")

@@ -16,11 +16,10 @@ import pytest
 
 from raylm.cluster.engine.async_llm import AsyncLLM
 from raylm.cluster.entrypoints.llm import LLM
-from raylm.cluster.entrypoints.openai.api_server import build_engine_app
 from raylm.common.sampling_params import SamplingParams
 from raylm.common.structured_outputs import StructuredOutputsParams
 from raylm.configs import make_engine_config
-from tests.http_server import Server, engine_settings, metric, wait_until
+from tests.http_server import Server, engine_settings, metric, served_engine
 
 # Checked by the frontend (its parts parse), refused by xgrammar's compiler once it has the tokenizer.
 FAILING_TAG = json.dumps({"structures": [{"begin": "<a>", "schema": {"type": "notatype"}, "end": "</a>"}],
@@ -54,13 +53,8 @@ def assert_engine_failures_are_errors(base_url: str, model: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(llama_path: Path) -> Iterator[Server]:
-    app, _ = build_engine_app(make_engine_config(**engine_settings(llama_path)))
-    server = Server(app)
-    try:
-        wait_until(lambda: server.request("GET", "/health")[0] == 200, "the engine to load")
+    with served_engine(llama_path) as (server, _):
         yield server
-    finally:
-        server.stop()
 
 
 def test_engine_failures_are_500s_and_error_events_over_http(server: Server, llama_path: Path) -> None:

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raylm.cluster.entrypoints.openai.api_server import build_engine_app
-from raylm.configs import make_engine_config
-from tests.http_server import Server, engine_settings, wait_until
+from tests.http_server import Server, served_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_EXAMPLES = 200  # per generation route
@@ -24,15 +22,9 @@ MAX_EXAMPLES = 200  # per generation route
 
 @pytest.fixture(scope="module")
 def server(llama_path: Path) -> Iterator[Server]:
-    settings = {**engine_settings(llama_path), "max_model_len": 64, "enable_auto_tool_choice": True,
-                "tool_call_parser": "hermes"}
-    app, _ = build_engine_app(make_engine_config(**settings))
-    server = Server(app)
-    try:
-        wait_until(lambda: server.request("GET", "/health")[0] == 200, "the engine to load")
+    with served_engine(llama_path, max_model_len=64, enable_auto_tool_choice=True,
+                       tool_call_parser="hermes") as (server, _):
         yield server
-    finally:
-        server.stop()
 
 
 def test_document_matches_the_responses(server: Server) -> None:
