@@ -15,11 +15,8 @@ transfer the params name (from that KVStore, or from the prefill worker), layer 
 prefix-cache hit; the last prompt token is computed here and gives the first sampled token. The KV never passes through
 a driver.
 
-The pair check: the params carry the prefill engine's KV identity (model, checkpoint, dtype, quantization:
-raylm/configs/kv_identity.py), the request's LoRA adapter, its token count, block size, layer count and a digest of
-its prompt; a decode engine whose own differ refuses the KV, naming what differs. A refused transfer, or one that does
-not come or lacks layers, is recomputed, logged as a warning, and said in the finished request's kv_transfer_params
-(`kv_load_error`).
+The pair check (KV identity, adapter, token count, block size, layers, prompt digest) and what happens to a refused
+or missing transfer (recomputed, `kv_load_error`): docs/kv-connector.md.
 """
 from __future__ import annotations
 
