@@ -13,7 +13,6 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from raylm.cluster.engine import engine_commands
@@ -28,8 +27,8 @@ from raylm.cluster.engine.engine_commands import (
 from raylm.cluster.engine.llm_engine import LLMEngine, PromptType
 from raylm.cluster.engine.lora_registry import LoRARegistry
 from raylm.cluster.engine.outputs import DPEngineDiedError, EngineDeadError, EngineNotReadyError, RequestOutput
+from raylm.cluster.engine.request_state import RequestState, finished_stats
 from raylm.cluster.engine.stats import (
-    FinishedRequestStats,
     IterationStats,
     LoggingStatLogger,
     SchedulerStats,
@@ -41,20 +40,6 @@ from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _RequestState:
-    """Engine-thread bookkeeping of one request: where its outputs go, and its timings for metrics."""
-
-    stream: RequestStream
-    arrival_time: float
-    num_prompt_tokens: int
-    engine_index: int  # the data-parallel engine serving it
-    added_time: float  # when the engine took it in
-    first_token_time: float | None = None
-    last_token_time: float = 0.0
-    num_generation_tokens: int = 0
 
 
 class AsyncLLM:
@@ -74,7 +59,7 @@ class AsyncLLM:
         self._started = threading.Event()  # set once the engine is built, or failed to build
         # Engine thread only: the commands being applied, and the requests in the engine.
         self._batch: deque[EngineCommand] = deque()
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._thread = threading.Thread(target=self._run, name="raylm-engine", daemon=True)
         self._thread.start()
 
@@ -221,14 +206,14 @@ class AsyncLLM:
             except ValueError as err:  # bad input fails this request only
                 post_outputs([(command.stream, err)])
                 return
-            self._requests[command.request_id] = _RequestState(
+            self._requests[command.request_id] = RequestState(
                 command.stream, command.arrival_time, len(prompt_token_ids), engine_index, time.monotonic())
         elif isinstance(command, AbortRequest):
             state = self._requests.pop(command.request_id, None)
             if state is not None:
                 engine.abort_request([command.request_id])
                 iterations[state.engine_index].finished_requests.append(
-                    _finished_stats(state, "abort", time.monotonic()))
+                    finished_stats(state, "abort", time.monotonic()))
         else:
             try:
                 command.result.set_result(command.fn(engine))
@@ -272,7 +257,7 @@ class AsyncLLM:
             if output.finished:
                 del self._requests[output.request_id]
                 reason = output.outputs[-1].finish_reason or "stop"
-                iteration.finished_requests.append(_finished_stats(state, reason, now))
+                iteration.finished_requests.append(finished_stats(state, reason, now))
             deliveries.append((state.stream, output))
         post_outputs(deliveries)
 
@@ -311,11 +296,3 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return self._ready_engine().is_sleeping()
-
-
-def _finished_stats(state: _RequestState, finish_reason: str, now: float) -> FinishedRequestStats:
-    first_token_time = now if state.first_token_time is None else state.first_token_time
-    return FinishedRequestStats(
-        finish_reason, now - state.arrival_time, state.num_prompt_tokens, state.num_generation_tokens,
-        queue_time=state.added_time - state.arrival_time, prefill_time=first_token_time - state.added_time,
-        decode_time=now - first_token_time)
