@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raylm.configs.kv_transfer import KVTransferConfig, RoutingConfig
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
@@ -83,8 +83,19 @@ class SchedulerConfig(_Section):
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="0: off; else the most prompt tokens one request computes in a step (chunked prefill), "
                              "so a long prompt joins the running decodes in slices instead of one long step")
+    max_prefill_tokens_with_decodes: int | None = Field(
+        None, ge=0, description="the most prompt tokens a step computes while it also decodes running requests, so "
+                                "those streams wait at most that chunk's time for their next token (chunked "
+                                "prefill); 0: off; None: the device's default (configs/scheduler_defaults.py)")
     async_scheduling: bool = False
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+
+    @model_validator(mode="after")
+    def _chunks_need_chunked_prefill(self) -> SchedulerConfig:
+        if self.max_prefill_tokens_with_decodes and not self.enable_chunked_prefill:
+            raise ValueError(f"max_prefill_tokens_with_decodes ({self.max_prefill_tokens_with_decodes}) slices "
+                             f"prompts over steps: it needs enable_chunked_prefill (or set it to 0)")
+        return self
 
 
 CUDAGraphModeName = Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]

@@ -18,6 +18,7 @@ from raylm.cluster.core.lora_scheduling import LoRABatchLimit
 from raylm.cluster.core.request import Request, RequestStatus
 from raylm.cluster.core.request_queue import RequestQueue, create_request_queue, preemption_victim
 from raylm.cluster.core.spec_decode import DraftScheduling
+from raylm.cluster.core.step_budget import StepBudget, is_prefill
 from raylm.cluster.core.stop_checker import check_stop
 from raylm.cluster.core.structured_output.wait_list import GrammarWaitList
 from raylm.common.outputs import CachedRequestData, LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -45,8 +46,10 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
-        # vLLM's cap on one request's prefill per step (0: none): decodes keep a short step while a long prompt runs.
+        # Caps on prompt tokens per step (see step_budget.py); None: not resolved for a device (configs/
+        # scheduler_defaults.py), so no cap.
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.max_prefill_tokens_with_decodes = scheduler_config.max_prefill_tokens_with_decodes or 0
         # Async scheduling plans step N+1 before step N's samples are back: the scheduled positions
         # whose token is still unknown are counted in `Request.num_output_placeholders`.
         self.async_scheduling = scheduler_config.async_scheduling
@@ -128,8 +131,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._admit_compiled_grammars()
-        budget = self.max_num_batched_tokens
+        budget = StepBudget(self.max_num_batched_tokens, self.long_prefill_token_threshold,
+                            self.max_prefill_tokens_with_decodes, self.running)
         num_scheduled_tokens: dict[str, int] = {}
+        prefills: set[str] = set()  # requests scheduled for prompt tokens this step
         new_block_ids: dict[str, list[int]] = {}
         spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
@@ -139,13 +144,14 @@ class Scheduler:
 
         running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
         req_index = 0
-        while req_index < len(running) and budget > 0:
+        while req_index < len(running) and budget.tokens > 0:
             request = running[req_index]
-            num_new_tokens = self._num_tokens_to_schedule(request, budget)
+            num_new_tokens, prefill = self._num_tokens_to_schedule(request, budget)
             if num_new_tokens == 0 or not loras.admits(request):
                 req_index += 1
                 continue
-            drafts, lookahead = ([], 0) if self.drafts is None else self.drafts.plan(request, num_new_tokens, budget)
+            drafts, lookahead = (([], 0) if self.drafts is None else
+                                 self.drafts.plan(request, num_new_tokens, budget.tokens))
             num_new_tokens += len(drafts)
             while (block_ids := allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)) is None:
                 victim_index = preemption_victim(running, self.policy)
@@ -153,7 +159,7 @@ class Scheduler:
                 if victim_index < req_index:
                     req_index -= 1
                 if victim.request_id in num_scheduled_tokens:  # already scheduled this step: undo that
-                    budget += num_scheduled_tokens.pop(victim.request_id)
+                    budget.give_back(num_scheduled_tokens.pop(victim.request_id), victim.request_id in prefills)
                     del new_block_ids[victim.request_id]
                     spec_tokens.pop(victim.request_id, None)
                     scheduled_running.remove(victim)
@@ -169,12 +175,14 @@ class Scheduler:
                 spec_tokens[request.request_id] = drafts
             scheduled_running.append(request)
             loras.add(request)
-            budget -= num_new_tokens
+            budget.take(num_new_tokens, prefill)
+            if prefill:
+                prefills.add(request.request_id)
             req_index += 1
 
         # Admitting while preempting would only thrash the pool.
         skipped: list[tuple[RequestQueue, Request]] = []  # requests whose adapter finds no free slot this step
-        while not any_preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not any_preempted and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             queue = self.waiting if self.kv_transfers is None else self.kv_transfers.admission_queue(self.waiting)
             if not queue:
                 break
@@ -192,11 +200,11 @@ class Scheduler:
                         break  # no room for the blocks its KV goes into
                     queue.pop()  # it waits for its KV outside the queue: the requests behind it go on
                     continue
-            num_new_tokens = self._capped(request.num_tokens - num_computed_tokens)
-            if num_new_tokens > budget:
-                if not self.enable_chunked_prefill:
-                    break  # waits for a step with room, keeping the queue order
-                num_new_tokens = budget
+            wanted = request.num_tokens - num_computed_tokens
+            prefill = wanted > 1
+            num_new_tokens = budget.grant(wanted, prefill)
+            if num_new_tokens == 0 or (num_new_tokens < wanted and not self.enable_chunked_prefill):
+                break  # waits for a step with room, keeping the queue order
             lookahead = self.drafts.lookahead(request, num_computed_tokens + num_new_tokens) if self.drafts else 0
             # An arrived request's computed tokens are in blocks it holds already: no prefix hits to take.
             num_hit_tokens = len(computed_blocks) * self.kv_cache_manager.block_size
@@ -214,7 +222,7 @@ class Scheduler:
                 self.kv_transfers.after_alloc(request)
             loras.add(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
-            budget -= num_new_tokens
+            budget.take(num_new_tokens, prefill)
         for queue, request in reversed(skipped):  # back in front of the queue they left, in their order
             queue.add_preempted(request)
 
@@ -226,7 +234,7 @@ class Scheduler:
                 for req in scheduled_new],
             scheduled_cached_reqs=self._cached_request_data(scheduled_running, new_block_ids),
             num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget.tokens,
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_decode_tokens=spec_tokens,
         )
@@ -327,17 +335,15 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------------------
 
-    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+    def _num_tokens_to_schedule(self, request: Request, budget: StepBudget) -> tuple[int, bool]:
+        """Tokens `request` computes this step, and whether they are prompt tokens."""
         num_tokens, num_placeholders = request.num_tokens, request.num_output_placeholders
         if num_tokens - request.num_prompt_tokens + num_placeholders >= request.max_tokens:
-            return 0  # async: the samples in flight already reach max_tokens
+            return 0, False  # async: the samples in flight already reach max_tokens
         # Without chunked prefill a running request only ever has decode tokens left (a whole prompt
         # was admitted at once), so capping by the budget never splits a prompt.
-        return min(self._capped(num_tokens + num_placeholders - request.num_computed_tokens), budget)
-
-    def _capped(self, num_new_tokens: int) -> int:
-        threshold = self.long_prefill_token_threshold
-        return min(num_new_tokens, threshold) if threshold else num_new_tokens
+        prefill = is_prefill(request)
+        return budget.grant(num_tokens + num_placeholders - request.num_computed_tokens, prefill), prefill
 
     def _admit_compiled_grammars(self) -> None:
         """Queue the requests whose grammar compiled; finish (error) those whose grammar failed to."""
