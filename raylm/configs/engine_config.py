@@ -33,10 +33,11 @@ class ModelConfig(_Section):
     max_model_len: int | None = Field(None, ge=2, description="prompt + output tokens per request")
     seed: int = Field(0, description="seed for requests that give none")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    quantization: Literal["none", "int8", "int4", "gguf"] | None = Field(
+    quantization: Literal["none", "int8", "int4", "gguf", "compressed-tensors", "gptq", "awq"] | None = Field(
         None, description="weights kept quantized: int8 (Q8_0 blocks) or int4 (Q4_1) from a float checkpoint, gguf "
-                          "(a GGUF file's own Q4_0/Q4_1/Q8_0), none (float; a GGUF file dequantized); None: gguf "
-                          "for a .gguf model, else none")
+                          "(a GGUF file's own Q4_0/Q4_1/Q8_0), compressed-tensors / gptq / awq (a checkpoint's "
+                          "quantization_config), none (float; a GGUF file dequantized); None: gguf for a .gguf "
+                          "model, the checkpoint's format for a quantized one, else none")
 
 
 class CacheConfig(_Section):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from raylm.configs.engine_config import ModelConfig
 from raylm.configs.gguf_metadata import is_gguf, read_gguf_config
+from raylm.configs.quant_formats import resolve_checkpoint_quantization
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -103,8 +104,12 @@ def cpu_multiplies_bf16() -> bool:
 
 
 def resolve_quantization(model_config: ModelConfig, model_info: ModelInfo) -> str:
-    """The quantization setting, or for None: gguf (the file's own block formats) for a GGUF file, else none."""
+    """The quantization setting, or for None: gguf (the file's own block formats) for a GGUF file, a quantized
+    checkpoint's format (configs/quant_formats.py), else none."""
     gguf_file = is_gguf(model_info.path)
+    checkpoint_format = None if gguf_file else resolve_checkpoint_quantization(model_config.quantization, model_info)
+    if checkpoint_format is not None:
+        return checkpoint_format
     method = model_config.quantization or ("gguf" if gguf_file else "none")
     if method == "gguf" and not gguf_file:
         raise ValueError("quantization: 'gguf' keeps a GGUF file's own formats, and the model is not a .gguf file "

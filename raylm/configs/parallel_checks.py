@@ -15,6 +15,7 @@ And of pipeline_parallel_size: at least one layer per stage (pp_layer_partition,
 """
 from __future__ import annotations
 
+from raylm.configs import quant_formats
 from raylm.configs.engine_config import ParallelConfig
 from raylm.configs.model_info import ModelInfo
 
@@ -67,7 +68,7 @@ def tensor_parallel_problem(model_info: ModelInfo, tp: int, quantization: str, e
                 return (f"quantization {quantization!r} keeps weights in {QUANT_BLOCK}-weight blocks along the "
                         f"input, and {whose} {name} {size} over {tp} ranks is {size // tp} per rank, not whole "
                         f"blocks")
-    return None
+    return quant_formats.tensor_parallel_problem(model_info, quantization, tp)
 
 
 def tensor_parallel_sizes(model_info: ModelInfo, quantization: str, enable_expert_parallel: bool) -> list[int]:

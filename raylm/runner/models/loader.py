@@ -13,11 +13,13 @@ from safetensors import safe_open
 from torch import nn
 
 from raylm.configs.gguf_metadata import is_gguf
+from raylm.configs.quant_formats import read_checkpoint_quant
 from raylm.runner.layers.cpu_gemm import plan_linears
 from raylm.runner.layers.quantization import get_quantization_config
 from raylm.runner.layers.quantization.base_config import set_quant_config
 from raylm.runner.layers.quantization.block_quant import BlockQuantMethod
 from raylm.runner.models.gguf_weights import iterate_gguf_weights
+from raylm.runner.models.quantized_weights import iterate_quantized_weights
 from raylm.runner.models.registry import get_model_cls
 from raylm.runner.models.utils import pp_missing_prefixes
 
@@ -65,7 +67,9 @@ def checkpoint_weights(model: nn.Module, model_path: str | Path) -> Iterator[tup
     if is_gguf(model_path):
         return iterate_gguf_weights(model_path, model.config, packed_checkpoint_names(model),
                                     skip=lambda name: name.startswith(prefixes))
-    return iterate_weights(model_path, skip=lambda name: name.startswith(prefixes))
+    weights = iterate_weights(model_path, skip=lambda name: name.startswith(prefixes))
+    quant = read_checkpoint_quant(model.config)  # compressed-tensors / GPTQ / AWQ: repacked per linear
+    return weights if quant is None else iterate_quantized_weights(weights, quant)
 
 
 def packed_checkpoint_names(model: nn.Module) -> set[str]:

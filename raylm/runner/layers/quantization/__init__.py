@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from raylm.configs.quant_formats import CHECKPOINT_FORMATS, read_checkpoint_quant
 from raylm.runner.layers.quantization.base_config import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -19,6 +20,10 @@ def get_quantization_config(method: str, hf_config: PretrainedConfig) -> Quantiz
         architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
         raise ValueError(f"quantization {method!r}: the experts of {architecture} (FusedMoE) are not quantized "
                          "yet; use quantization 'none'")
+    if method in CHECKPOINT_FORMATS:  # a checkpoint quantized as shipped: its config.json's scheme
+        from raylm.runner.layers.quantization.checkpoint_formats import CheckpointQuantConfig
+
+        return CheckpointQuantConfig(read_checkpoint_quant(hf_config))
     from raylm.runner.layers.quantization.block_quant import BlockQuantConfig
 
     return BlockQuantConfig(method, bool(getattr(hf_config, "tie_word_embeddings", False)))

@@ -1,0 +1,92 @@
+"""`quantization: compressed-tensors | gptq | awq`: a checkpoint quantized as shipped (configs/quant_formats.py reads
+its scheme) runs through the block kernels of BlockQuantMethod, in the same timed GEMM plan as `int4` / `gguf`.
+
+Each linear's checkpoint tensors are repacked into Q4_0 / Q4_1 / Q8_0 blocks at load (checkpoint_repack.py), so TP
+shards them as it shards a GGUF file's blocks (rows for column parallel, whole blocks for row parallel). Besides:
+- activation order (GPTQ desc_act, compressed-tensors actorder group): the weight's input channels were permuted
+  into group order at load; x is permuted the same way before the kernel (one index_select per layer call).
+- W8A8 int8 and FP8 with dynamic per-token activations: x is quantized and dequantized per token, as
+  compressed-tensors computes it (scale = max |x| / (q_max - q_min) * 2, rounded to int8 or cast to FP8), then
+  multiplied in float: the same numbers an int8 / FP8 GEMM would sum. FP8 weights are dequantized at load (no CPU
+  kernel takes FP8; their float values are exact in float32) and run by the float kernels.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raylm.configs.quant_formats import CheckpointQuant
+from raylm.runner.layers.linear import LinearBase, WeightLoader
+from raylm.runner.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from raylm.runner.layers.quantization.block_quant import BlockQuantMethod
+from raylm.runner.layers.quantization.checkpoint_repack import RepackedTensor
+from raylm.runner.layers.quantization.ggml_blocks import QuantizedTensor
+
+# q_max - q_min of each activation type over 2 (compressed-tensors' calculate_qparams for symmetric args).
+_HALF_RANGE = {"int8": 127.5, "fp8": 448.0}
+
+
+def quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x quantized per token (last dimension) to `kind` and back, as compressed-tensors' dynamic token strategy does."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / _HALF_RANGE[kind]
+    scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
+    if kind == "int8":
+        q = torch.round((x / scale).clamp(-128, 127))
+    else:
+        q = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
+    return q * scale
+
+
+class CheckpointQuantMethod(BlockQuantMethod):
+    """BlockQuantMethod over the blocks a checkpoint's tensors were repacked into (each tensor's own format, as
+    under `gguf`), plus the format's input permutation and activation quantization."""
+
+    def __init__(self, quant: CheckpointQuant) -> None:
+        super().__init__(None)
+        self.quant = quant
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_size_per_partition: int,
+                       weight_loader: WeightLoader) -> None:
+        super().create_weights(layer, input_size_per_partition, output_size_per_partition, weight_loader)
+        layer.input_perm = None
+
+    def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor,
+                    shard_id: object, weight_loader: WeightLoader) -> None:
+        """As BlockQuantMethod's, keeping the input permutation of the first part of a fused layer: the others share
+        its input, so they must be in the same order."""
+        perm = loaded.input_perm if isinstance(loaded, RepackedTensor) else None
+        perm = None if perm is None else perm.to(param.device)
+        if param.numel() == 0:
+            layer.input_perm = perm
+        elif not _same_order(perm, layer.input_perm):
+            name = loaded.name if isinstance(loaded, QuantizedTensor) else "a float checkpoint tensor"
+            raise ValueError(f"quantization {self.quant.method!r}: checkpoint tensor {name} orders its input "
+                             "channels (g_idx) unlike the other parts of its fused layer, which share their input; "
+                             "raylm runs one order per layer")
+        super().load_weight(layer, param, loaded, shard_id, weight_loader)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.input_perm is not None:
+            x = x.index_select(-1, layer.input_perm)
+        if self.quant.activations is not None:
+            x = quantize_activations(x, self.quant.activations)
+        return super().apply(layer, x, bias)
+
+    def kernel_name(self, layer: nn.Module) -> str:
+        return f"{super().kernel_name(layer)} ({self.quant.method})"
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+class CheckpointQuantConfig(QuantizationConfig):
+    """Every linear layer (not the embedding or LM head, which these checkpoints keep float) by the checkpoint's
+    scheme; a linear the checkpoint stores float (an `ignore`d one) loads float into the same method."""
+
+    def __init__(self, quant: CheckpointQuant) -> None:
+        self.name = quant.method
+        self.quant = quant
+
+    def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
+        return CheckpointQuantMethod(self.quant) if isinstance(layer, LinearBase) else None
