@@ -7,6 +7,7 @@ tail rows into the remaining holes so rows 0..num_reqs-1 are always the live one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -96,6 +97,11 @@ class InputBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.req_id_to_index)
+
+    @property
+    def live_req_ids(self) -> list[str]:
+        """The requests of rows 0..num_reqs-1 (condensed: none of them a hole)."""
+        return cast(list[str], self.req_ids[:self.num_reqs])
 
     def add_request(self, state: CachedRequestState) -> int:
         assert state.req_id not in self.req_id_to_index, f"request {state.req_id} is already in the batch"

@@ -73,7 +73,7 @@ class InputBuffers:
         speculative decoding's drafts, written in each row after its known tokens and scheduled after them."""
         num_reqs = batch.num_reqs
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
-        num_scheduled = np.array([num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64)
+        num_scheduled = np.array([num_scheduled_tokens[r] for r in batch.live_req_ids], dtype=np.int64)
         cu_num_tokens = num_scheduled.cumsum()
         num_tokens = int(cu_num_tokens[-1])
         assert num_tokens == scheduler_output.total_num_scheduled_tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import overload
 
 import torch
 from torch import nn
@@ -113,10 +113,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-_OptionalTensor = TypeVar("_OptionalTensor", torch.Tensor, None)
-
-
-def _take_rows(t: _OptionalTensor, rows: torch.Tensor | None) -> _OptionalTensor:
+@overload
+def _take_rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor: ...
+@overload
+def _take_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None: ...
+def _take_rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
     """The random rows of a per-row tensor: all of it when rows is None (every row is random)."""
     return t if t is None or rows is None else t[rows]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from raylm.runner.host_sync import to_device
@@ -45,7 +46,7 @@ class SamplingMetadata:
             "penalties need prompt_token_ids and output_token_ids"
 
 
-def make_padded_token_ids(token_ids: Sequence[Sequence[int]], pad_id: int,
+def make_padded_token_ids(token_ids: Sequence[Sequence[int] | np.ndarray], pad_id: int,
                           device: torch.device | str | None = None) -> torch.Tensor:
     """[len(token_ids), longest] int64, each row left-aligned and padded with pad_id (vocab_size for the penalties)."""
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)

@@ -12,12 +12,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class RederivesWeights(Protocol):
+    """A layer holding opaque copies of its weights (cpu_gemm's packed ones), which it makes after loading."""
+
+    def process_weights_after_loading(self) -> None: ...
 
 
 @dataclass
@@ -79,14 +86,14 @@ class SleepMode:
         self.slept_buffers: list[SleptStorage] | None = None
         self.slept_kv_cache: list[SleptStorage] | None = None
         self.sleep_level = 0
-        self.rederive: list[torch.nn.Module] = []
+        self.rederive: list[RederivesWeights] = []
 
     def is_sleeping(self) -> bool:
         return self.slept_weights is not None or self.slept_kv_cache is not None
 
     def weight_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(parameters, every other plain tensor the modules hold: buffers, say), without the KV cache."""
-        params = list(self.model.parameters())
+        params: list[torch.Tensor] = list(self.model.parameters())
         others = [t for module in self.model.modules() for t in vars(module).values()
                   if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)]
         return params, [t for t in [*self.model.buffers(), *others] if t.layout == torch.strided]
@@ -101,7 +108,7 @@ class SleepMode:
             for name in names:
                 setattr(module, name, None)
             if names:
-                self.rederive.append(module)
+                self.rederive.append(cast(RederivesWeights, module))
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes the weights and the KV cache hold now, from their storages."""

@@ -81,7 +81,7 @@ class DPEngineCoreClient:
         engine_id = uuid.uuid4().hex[:8]
         for rank, group in enumerate(self.placement_groups):
             name = f"raylm-{engine_id}-dp{rank}"
-            self.actors.append(_EngineActor.options(
+            self.actors.append(_EngineActor.options(  # type: ignore[arg-type]  # Ray: ActorHandle | the class
                 name=name, num_cpus=0, num_gpus=1 if in_process_worker and device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0)).remote(rank))
             self.names.append(f"DP engine {rank} (actor {name} on {node_ips[node_ids[rank]]})")

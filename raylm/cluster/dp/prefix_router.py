@@ -32,7 +32,8 @@ def token_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]
 
 def text_block_hashes(text: str, chunk_bytes: int = 64) -> list[bytes]:
     """Chained hashes of a text's whole chunks of UTF-8 bytes: prefix keys where the tokens are not known yet."""
-    data, hashes = text.encode(), []
+    data = text.encode()
+    hashes: list[bytes] = []
     for start in range(0, len(data) - chunk_bytes + 1, chunk_bytes):
         hashes.append(hashlib.sha256((hashes[-1] if hashes else b"") + data[start:start + chunk_bytes]).digest())
     return hashes

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -41,9 +41,10 @@ class IncrementalDetokenizer:
         # The Rust tokenizer behind a fast tokenizer decodes the same text without transformers' per-call
         # Python overhead, which is most of the detokenizer's cost per token.
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode: Callable[[list[int]], str] = (
-            partial(backend.decode, skip_special_tokens=skip_special_tokens) if backend is not None
-            else partial(tokenizer.decode, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False))
+        decode = (partial(backend.decode, skip_special_tokens=skip_special_tokens) if backend is not None
+                  else partial(tokenizer.decode, skip_special_tokens=skip_special_tokens,
+                               clean_up_tokenization_spaces=False))
+        self._decode = cast(Callable[[list[int]], str], decode)  # transformers says str | list[str]; ids give a str
         self.skip_special_tokens = skip_special_tokens
         # Once streaming, the left context is the last emitted token: its text is looked up, not decoded again.
         self._token_texts: dict[int, str] = {} if token_texts is None else token_texts

@@ -6,7 +6,7 @@ parent RequestOutput holding one CompletionOutput per child, ordered by index.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.engine.detokenizer import IncrementalDetokenizer
@@ -104,7 +104,7 @@ class OutputProcessor:
             self.tokenizer,
             prompt_token_ids,
             skip_special_tokens=sampling_params.skip_special_tokens,
-            stop=sampling_params.stop,
+            stop=cast(list[str], sampling_params.stop),  # SamplingParams.__post_init__ made it a list
             include_stop_str_in_output=sampling_params.include_stop_str_in_output,
             token_texts=self._token_texts[sampling_params.skip_special_tokens],
         )

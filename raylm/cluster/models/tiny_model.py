@@ -46,7 +46,8 @@ LLAMA3_ROPE_SCALING: dict[str, Any] = {
 }
 
 
-def _rope_kwargs(config_cls: type, rope_theta: float, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+def _rope_kwargs(config_cls: type[transformers.PretrainedConfig], rope_theta: float,
+                 rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
     # transformers 5 folds rope_theta and the scaling dict into `rope_parameters`; 4.x takes them separately.
     if "rope_parameters" in inspect.signature(config_cls.__init__).parameters:
         return {"rope_parameters": {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}}
@@ -116,6 +117,8 @@ def write_tiny_model(
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
     head_dim = hidden_size // num_heads
+    cls: type[transformers.PretrainedConfig]
+    extra: dict[str, Any]
     if arch == "llama":
         cls, theta, extra, tie = LlamaConfig, 500_000.0, {"head_dim": head_dim, "attention_bias": False}, False
     elif arch == "qwen2":  # Qwen2 attention always has q/k/v bias
@@ -136,7 +139,7 @@ def write_tiny_model(
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
     tokenizer = build_tokenizer(vocab_size, seed)
-    ids = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
+    ids: dict[str, Any] = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
     config = cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

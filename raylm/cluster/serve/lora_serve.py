@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import ASGIApp, Message
 
 from raylm.cluster.entrypoints.openai.errors import OpenAIError, error_from_exception
@@ -98,6 +98,7 @@ class LoRAIngress:
             relayed = RelayedRequest(request.method, request.url.path, request.url.query.encode(),
                                      list(request.headers.raw), body)
             messages = self.server.options(multiplexed_model_id=adapter).relay.remote(relayed)
+            assert isinstance(messages, DeploymentResponseGenerator)  # the handle streams (stream=True)
             start = await anext(messages)
             headers = {key.decode(): value.decode() for key, value in start["headers"]}
             return StreamingResponse(_bodies(messages), status_code=start.get("status", HTTPStatus.OK),

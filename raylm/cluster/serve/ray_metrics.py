@@ -24,15 +24,19 @@ class _LabelledRayMetric:
     def labels(self, **labels: str) -> _LabelledRayMetric:
         return _LabelledRayMetric(self.metric, labels)
 
+    # Ray annotates `tags: Dict[str, str] = None` (an implicit Optional): None means the metric's default tags.
     def set(self, value: float) -> None:
-        self.metric.set(value, tags=self.tags)
+        assert isinstance(self.metric, metrics.Gauge)
+        self.metric.set(value, tags=self.tags)  # type: ignore[arg-type]
 
     def inc(self, value: float = 1.0) -> None:
+        assert isinstance(self.metric, metrics.Counter)
         if value > 0:  # Ray's counters refuse 0; a series appears with its first increment
-            self.metric.inc(value, tags=self.tags)
+            self.metric.inc(value, tags=self.tags)  # type: ignore[arg-type]
 
     def observe(self, value: float) -> None:
-        self.metric.observe(value, tags=self.tags)
+        assert isinstance(self.metric, metrics.Histogram)
+        self.metric.observe(value, tags=self.tags)  # type: ignore[arg-type]
 
 
 class RayPrometheusStatLogger(PrometheusStatLogger):

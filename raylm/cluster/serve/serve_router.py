@@ -63,7 +63,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
         deployment = self._deployment_id
-        self.index = PrefixIndex.options(
+        # mypy keeps a decorated class's own type: ray.remote made PrefixIndex an ActorClass.
+        self.index = PrefixIndex.options(  # type: ignore[attr-defined]
             name=f"raylm-prefix-index:{deployment.app_name}:{deployment.name}", namespace=SERVE_NAMESPACE,
             get_if_exists=True, lifetime="detached").remote(**kwargs)
         # Detached so that it outlives any one caller; Serve's controller kills it on serve.shutdown().
@@ -94,6 +95,8 @@ def prefix_router_config(routing: RoutingConfig) -> Any:
     """The request_router_config of a deployment routed by prefix."""
     from ray.serve.config import RequestRouterConfig
 
-    return RequestRouterConfig(request_router_class=PrefixAwareRequestRouter, request_router_kwargs={
-        "routing_imbalanced_threshold": routing.routing_imbalanced_threshold,
-        "routing_match_rate_threshold": routing.routing_match_rate_threshold})
+    # Ray annotates its **kwargs as dict[str, Any] (each keyword's type, not the mapping's).
+    kwargs = {"routing_imbalanced_threshold": routing.routing_imbalanced_threshold,
+              "routing_match_rate_threshold": routing.routing_match_rate_threshold}
+    return RequestRouterConfig(request_router_class=PrefixAwareRequestRouter,  # type: ignore[arg-type]
+                               request_router_kwargs=kwargs)

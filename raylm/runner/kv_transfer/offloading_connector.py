@@ -181,12 +181,12 @@ class OffloadingConnector(KVConnectorBase):
             while loaded < len(found) and found[loaded] is not None:
                 loaded += 1
             objects: dict[Any, Any] = {}
-            for ref, _ in found[:loaded]:  # type: ignore[misc]
+            for ref, _ in found[:loaded]:
                 if ref[0] not in objects:
                     objects[ref[0]] = ray.get(ref[0])
             for layer_index, layer in enumerate(self.layers):
                 for position in range(loaded):
-                    ref, index = found[position]  # type: ignore[misc]
+                    ref, index = found[position]
                     scatter_layer(layer, [block_ids[position]], objects[ref[0]][index, :, layer_index][:, None])
         except Exception:
             logger.exception("loading %d offloaded KV blocks of request %s failed; they are recomputed",

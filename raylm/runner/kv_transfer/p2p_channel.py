@@ -49,7 +49,7 @@ def new_pair_group(store: Store, rank: int, device: torch.device, host: str, tim
         nccl._timeout = timeout
         with torch.cuda.device(device):
             return ProcessGroupNCCL(store, rank, 2, nccl)
-    gloo = ProcessGroupGloo._Options()
+    gloo = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs omit the options gloo takes
     gloo._timeout = timeout
     gloo._devices = [ProcessGroupGloo.create_device(hostname=host)]  # the interface peers reach this node on
     return ProcessGroupGloo(store, rank, 2, gloo)
@@ -147,10 +147,12 @@ class P2PProducer:
                 layer_shape = self.kv_caches[0].shape
                 values = [1, len(self.kv_caches), layer_shape[0], count, *layer_shape[2:]]
                 header[:len(values)] = torch.tensor(values)
-            _wait(group.send([header.to(self.device)], 1, 0), self.device, self.timeout)
+            # torch's stubs omit Backend.send/recv (bound in C++ on every process group backend).
+            _wait(group.send([header.to(self.device)], 1, 0), self.device, self.timeout)  # type: ignore[attr-defined]
             if header[0]:
                 for kv_layer in self.kv_caches:  # in layer order: the consumer writes each as it comes
-                    _wait(group.send([select_blocks(kv_layer, block_ids)], 1, 0), self.device, self.timeout)
+                    _wait(group.send([select_blocks(kv_layer, block_ids)], 1, 0),  # type: ignore[attr-defined]
+                          self.device, self.timeout)
         finally:
             if offer is not None:
                 self.on_sent(offer.request_id)  # sent or failed: the blocks may go either way
@@ -219,7 +221,7 @@ class _Pair:
                 self.store, self.group = self._connect()
             self._request({"op": "send", "key": key, "first": first, "count": len(block_ids)})
             header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
-            _wait(self.group.recv([header], 0, 0), device, timeout)
+            _wait(self.group.recv([header], 0, 0), device, timeout)  # type: ignore[attr-defined]  # as in _send
             found, num_layers, *dims = header.tolist()
             if not found:
                 return False
@@ -229,7 +231,7 @@ class _Pair:
                                  f"of {list(shape)}")
             for kv_layer in kv_caches:
                 blocks = torch.empty(shape, dtype=kv_layer.dtype, device=device)
-                _wait(self.group.recv([blocks], 0, 0), device, timeout)
+                _wait(self.group.recv([blocks], 0, 0), device, timeout)  # type: ignore[attr-defined]  # as in _send
                 write_blocks(kv_layer, block_ids, blocks)
             if device.type == "cuda":  # the blocks are written before the scheduler is told they arrived
                 torch.cuda.current_stream(device).synchronize()

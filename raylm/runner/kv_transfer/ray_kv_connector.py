@@ -102,12 +102,13 @@ class RayKVConnector(KVConnectorBase):
             first, params = found
             self._consumed.add(request.request_id)
             last = -(-(first * self.block_size + num_external_tokens) // self.block_size)
-            source = {name: params[name] for name in ("remote_store", "remote_host", "remote_port") if name in params}
+            source: dict[str, Any] = {name: params[name] for name in ("remote_store", "remote_host", "remote_port")
+                                      if name in params}
             self._receiving[request.request_id] = set(block_ids[first:last])
             self._recvs.append(RecvJob(request.request_id, params["remote_transfer_key"], source, first,
                                        block_ids[first:last], self.timeout_s))
-        params = kv_transfer_params(request)
-        if self.is_producer and params and params.get("do_remote_decode"):
+        own = kv_transfer_params(request)
+        if self.is_producer and own and own.get("do_remote_decode"):
             self._producing[request.request_id] = _Producing(request.num_prompt_tokens, list(block_ids))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RayKVMetadata:

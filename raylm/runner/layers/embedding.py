@@ -17,6 +17,8 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Module):
+    weight: torch.Tensor  # [vocab rows of this rank, hidden], made by the quant method's create_weights
+
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  padding_size: int = DEFAULT_VOCAB_PADDING_SIZE) -> None:
         super().__init__()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import accumulate
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,9 @@ from torch import nn
 from raylm.runner.layers.cpu_gemm import CpuGemmMixin
 from raylm.runner.layers.quantization.base_config import QuantizeMethodBase, current_quant_config
 from raylm.runner.parallel_state import get_tp_group
+
+if TYPE_CHECKING:
+    from raylm.runner.lora.layers import LoRASlots
 
 WeightLoader = Callable[..., None]
 
@@ -45,10 +49,12 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
                                                       requires_grad=False), weight_loader)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return layer.matmul(x, bias) if isinstance(layer, CpuGemmMixin) else F.linear(x, layer.weight, bias)
+        if isinstance(layer, CpuGemmMixin):
+            return layer.matmul(x, bias)
+        return F.linear(x, cast(torch.Tensor, layer.weight), bias)  # create_weights made it
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, layer.weight)
+        return F.embedding(ids, cast(torch.Tensor, layer.weight))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if isinstance(layer, CpuGemmMixin):
@@ -76,7 +82,7 @@ class LinearBase(CpuGemmMixin, nn.Module):
         self.quant_method = get_quant_method(self)
         self.quant_method.create_weights(self, in_features, out_features, self.weight_loader)
         self.bias = None
-        self.lora: nn.Module | None = None  # LoRA slots (raylm/runner/lora/layers.py), when LoRA is enabled
+        self.lora: LoRASlots | None = None  # LoRA slots (raylm/runner/lora/layers.py), when LoRA is enabled
         if bias:
             self.bias = set_weight_loader(nn.Parameter(torch.empty(out_features), requires_grad=False),
                                           self.weight_loader)

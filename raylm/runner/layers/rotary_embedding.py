@@ -29,6 +29,8 @@ def _llama3_inv_freq(base: float, rotary_dim: int, scaling: dict[str, Any]) -> t
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim] buffer: cos | sin per position
+
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor) -> None:
         super().__init__()
         assert rotary_dim <= head_size and rotary_dim % 2 == 0

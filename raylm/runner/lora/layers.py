@@ -23,6 +23,9 @@ from raylm.runner.lora.punica import PunicaWrapper, SlotWeights
 class LoRASlots(nn.Module):
     """max_loras device slots of max_lora_rank for one linear layer, filled in place (the step never allocates)."""
 
+    lora_a_t: torch.Tensor  # buffers (registered in __init__), read by punica.py's products
+    lora_b: torch.Tensor
+
     def __init__(self, layer: LinearBase, punica: PunicaWrapper, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()

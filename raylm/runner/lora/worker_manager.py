@@ -110,7 +110,7 @@ class LoRAManager:
         """An empty slot, else the slot of the least recently used adapter the step does not need."""
         if None in self.slot_ids:
             return self.slot_ids.index(None)
-        recency = {lora_id: i for i, lora_id in enumerate(self.cpu_cache)}
+        recency: dict[int | None, int] = {lora_id: i for i, lora_id in enumerate(self.cpu_cache)}
         candidates = [i for i, held in enumerate(self.slot_ids) if held not in needed]
         return min(candidates, key=lambda i: recency.get(self.slot_ids[i], -1))
 

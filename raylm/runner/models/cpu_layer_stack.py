@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from itertools import islice
+from typing import cast
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ class CpuLayerStack:
 
     def __init__(self, layers: list[LlamaDecoderLayer]) -> None:
         first = layers[0]
-        attention, mlp = first.self_attn, first.mlp
+        attention, mlp = first.self_attn, cast(LlamaMLP, first.mlp)  # why_not_stacked checked each layer's type
         self.layers = layers
         self.plans = [linear.gemm_plan for linear in linears_of(first)]  # one per shape, shared by every layer
         self.rotary = attention.rotary_emb
@@ -59,10 +60,10 @@ class CpuLayerStack:
         metadata = context.attn_metadata
         ops = cpu_kernels.load()
         assert ops is not None
-        weights: list[torch.Tensor] = []
+        weights: list[torch.Tensor | None] = []  # each planned to the skinny kernel: none is None (why_not_stacked)
         biases: list[torch.Tensor | None] = []
         for layer in self.layers:
-            attention, mlp = layer.self_attn, layer.mlp
+            attention, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)
             weights += (layer.input_layernorm.weight, attention.qkv_proj.skinny_weight, attention.o_proj.skinny_weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.skinny_weight,
                         mlp.down_proj.skinny_weight)
@@ -75,7 +76,8 @@ class CpuLayerStack:
 
 
 def linears_of(layer: LlamaDecoderLayer) -> tuple[LinearBase, ...]:
-    attention, mlp = layer.self_attn, layer.mlp
+    """The layer's four linears; its MLP is Llama's (why_not_stacked checks that before it asks)."""
+    attention, mlp = layer.self_attn, cast(LlamaMLP, layer.mlp)
     return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
@@ -86,7 +88,7 @@ def why_not_stacked(model: nn.Module) -> str | None:
     if get_tp_group().world_size > 1:
         return "tensor parallelism all-reduces inside each layer"
     inner = model.model
-    layers = list(islice(inner.layers, inner.start_layer, inner.end_layer))
+    layers = cast(list[LlamaDecoderLayer], list(islice(inner.layers, inner.start_layer, inner.end_layer)))
     for layer in layers:
         if type(layer).forward is not LlamaDecoderLayer.forward or type(layer.self_attn) is not LlamaAttention:
             return f"{type(layer).__name__} changes the Llama layer (e.g. a q/k norm)"
@@ -113,7 +115,8 @@ def stack_layers(model: nn.Module) -> None:
         return
     assert isinstance(model, LlamaForCausalLM)
     inner = model.model
-    inner.layer_stack = CpuLayerStack(list(islice(inner.layers, inner.start_layer, inner.end_layer)))
+    inner.layer_stack = CpuLayerStack(cast(list[LlamaDecoderLayer],
+                                           list(islice(inner.layers, inner.start_layer, inner.end_layer))))
     show_info(logger)
     logger.info("cpu layer stack: steps whose linears all take the skinny kernel run the %d decoder layers in one "
                 "kernel call (enforce_eager turns this off)", inner.end_layer - inner.start_layer)

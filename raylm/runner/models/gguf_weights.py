@@ -102,7 +102,12 @@ def _unpermute_rows(value: torch.Tensor | QuantizedTensor, num_heads: int) -> to
     if isinstance(value, QuantizedTensor):
         if value.blocks is None:
             return value
-        return QuantizedTensor(value.name, _unpermute_rows(value.blocks, num_heads), value.format, value.type_name)
+        return QuantizedTensor(value.name, _unpermute_tensor_rows(value.blocks, num_heads), value.format,
+                               value.type_name)
+    return _unpermute_tensor_rows(value, num_heads)
+
+
+def _unpermute_tensor_rows(value: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = value.shape[0]
     return (value.reshape(num_heads, rows // num_heads // 2, 2, *value.shape[1:]).transpose(1, 2)
             .reshape(value.shape).contiguous())

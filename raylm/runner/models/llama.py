@@ -157,6 +157,7 @@ class LlamaModel(nn.Module):
             for layer in islice(self.layers, self.start_layer, self.end_layer):
                 hidden_states, residual = layer(positions, hidden_states, residual)
         if not self.is_last_rank:
+            assert residual is not None  # every stage owns a layer (get_pp_indices), and a layer sets it
             return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -185,9 +186,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, type(self).layer_type, pp_rank, pp_size, partition)
         self.lm_head: nn.Module = PPMissingLayer()
         if self.model.is_last_rank:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            lm_head = self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tie_word_embeddings:
-                self.lm_head.tie_weights(self.model.embed_tokens)
+                assert isinstance(self.model.embed_tokens, VocabParallelEmbedding)  # the last stage keeps it, tied
+                lm_head.tie_weights(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torch import nn
-
 from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.models.mixtral import MixtralForCausalLM
 from raylm.runner.models.qwen2 import Qwen2ForCausalLM
@@ -14,7 +12,7 @@ from raylm.runner.models.qwen3_moe import Qwen3MoeForCausalLM
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_MODELS: dict[str, type[nn.Module]] = {
+_MODELS: dict[str, type[LlamaForCausalLM]] = {  # each model is a Llama with its own layers
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -31,7 +29,7 @@ def check_architecture(architecture: str) -> None:
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def get_model_cls(hf_config: PretrainedConfig) -> type[nn.Module]:
+def get_model_cls(hf_config: PretrainedConfig) -> type[LlamaForCausalLM]:
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"the model config names no architecture; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")

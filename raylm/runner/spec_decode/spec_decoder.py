@@ -85,7 +85,7 @@ class SpecDecoder:
         num_reqs = batch.num_reqs
         self._step_start = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         scheduled = scheduler_output.num_scheduled_tokens
-        self._num_scheduled = np.array([scheduled[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64)
+        self._num_scheduled = np.array([scheduled[r] for r in batch.live_req_ids], dtype=np.int64)
         num_drafts = np.zeros(num_reqs, dtype=np.int64)
         q_rows: list[tuple[int, torch.Tensor | None, int]] = []  # (row, q, drafts) in row order
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():

@@ -3,7 +3,7 @@ grammars (EBNF in xgrammar's GBNF dialect is converted), matched lazily against 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.gbnf_to_lark
@@ -19,6 +19,9 @@ from raylm.cluster.core.structured_output.backend_types import (
 from raylm.cluster.core.structured_output.backend_xgrammar import parse_json
 from raylm.common.structured_outputs import StructuredOutputsParams
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of llguidance's stubs only
+
 _ANY_OBJECT = {"type": "object"}
 
 
@@ -31,16 +34,16 @@ class GuidanceBackend(StructuredOutputBackend):
     def grammar_text(self, params: StructuredOutputsParams) -> str:
         """The constraint as llguidance's grammar text; ValueError naming the field when it cannot be."""
         kind = params.kind
-        defaults: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+        defaults: JsonCompileOptions = {"whitespace_flexible": not params.disable_any_whitespace}
         # The request's pattern wins over a schema's own "x-guidance" options (applied between the two).
-        overrides: dict[str, Any] | None = (
+        overrides: JsonCompileOptions | None = (
             None if params.whitespace_pattern is None else {"whitespace_pattern": params.whitespace_pattern})
         if kind in ("json", "json_object"):
             schema = parse_json(params.json, "json") if kind == "json" else _ANY_OBJECT
             return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=defaults,
                                                                  overrides=overrides)
         if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+            return llguidance.LLMatcher.grammar_from_regex(params.regex or "")
         if kind == "choice":
             # Lark string literals take JSON's escapes.
             return llguidance.LLMatcher.grammar_from_lark(

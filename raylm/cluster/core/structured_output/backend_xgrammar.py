@@ -24,9 +24,11 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
 
 
-def parse_json(text: str | dict[str, Any], field: str) -> Any:
+def parse_json(text: str | dict[str, Any] | None, field: str) -> Any:
     if isinstance(text, dict):
         return text
+    if text is None:  # params.kind is the first field given: "json" has one
+        raise ValueError(f"{field}: no JSON schema given")
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -56,11 +58,11 @@ class XgrammarBackend(StructuredOutputBackend):
                     raise ValueError(f"json: the xgrammar backend does not enforce {', '.join(unsupported)}")
                 xgr.Grammar.from_json_schema(json.dumps(schema))
             elif kind == "regex":
-                xgr.Grammar.from_regex(params.regex)
+                xgr.Grammar.from_regex(params.regex or "")
             elif kind == "choice":
                 xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
             elif kind == "grammar":
-                xgr.Grammar.from_ebnf(params.grammar)
+                xgr.Grammar.from_ebnf(params.grammar or "")
             elif kind == "structural_tag":
                 self._structural_tag_args(params.structural_tag or "")
         except ValueError:
@@ -78,11 +80,11 @@ class XgrammarBackend(StructuredOutputBackend):
         elif kind == "json_object":
             compiled = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=any_whitespace, strict_mode=False)
         elif kind == "regex":
-            compiled = compiler.compile_regex(params.regex)
+            compiled = compiler.compile_regex(params.regex or "")
         elif kind == "choice":
             compiled = compiler.compile_grammar(choice_ebnf(params.choice or []))
         elif kind == "grammar":
-            compiled = compiler.compile_grammar(params.grammar)
+            compiled = compiler.compile_grammar(params.grammar or "")
         else:
             compiled = compiler.compile_structural_tag(*self._structural_tag_args(params.structural_tag or ""))
         json_mask = self.json_token_mask if kind in ("json", "json_object") else None

@@ -15,7 +15,8 @@ class ChoiceOutputParser:
 
     def parse(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning_content, content, tool_calls) of a whole output."""
-        reasoning_content, content = None, text
+        reasoning_content: str | None = None
+        content: str | None = text
         if self.reasoning is not None:
             reasoning_content, content = self.reasoning.extract_reasoning(text)
         if self.tool_parser is None or content is None:

@@ -82,8 +82,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_error(_: Request, err: Exception) -> JSONResponse:
         return error_json(error_from_exception(err))
 
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(HTTPException, on_http_error)
+    # Starlette types every handler as taking any Exception; each of these is registered for its own class only.
+    app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, on_http_error)  # type: ignore[arg-type]
     # Starlette runs Exception's handler in its outermost layer and then re-raises, so that the server logs the
     # traceback; the errors we expect are registered by class and answered without that.
     for expected in (OpenAIError, ValueError, EngineDeadError, EngineNotReadyError):

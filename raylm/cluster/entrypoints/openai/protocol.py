@@ -10,6 +10,7 @@ import time
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic.config import JsonDict
 
 from raylm.cluster.entrypoints.openai.protocol_messages import ChatMessage
 from raylm.cluster.entrypoints.openai.protocol_tools import (
@@ -154,7 +155,7 @@ class CompletionRequest(SamplingRequest, UnsupportedCompletionFields):
 
 
 # Rules across fields that the server enforces, stated for /openapi.json (vLLM's rules).
-_CHAT_RULES = {"allOf": [
+_CHAT_RULES: JsonDict = {"allOf": [
     {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
      "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
     {"if": {"required": ["continue_final_message"], "properties": {"continue_final_message": {"const": True}}},

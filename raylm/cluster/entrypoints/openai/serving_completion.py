@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import cast
 
 from raylm.cluster.engine.outputs import RequestOutput
 from raylm.cluster.entrypoints.openai.errors import OpenAIError
@@ -48,13 +49,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _tokenize(self, prompt: str | list[str] | list[int] | list[list[int]],
                   add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not prompt:
+        one = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))  # a string or token ids
+        prompts = cast(list[str | list[int]], [prompt] if one else prompt)
+        if not prompts:
             raise OpenAIError("prompt: give a string, a list of strings, or token ids", param="prompt")
         tokenizer = self.engine.tokenizer
         return [(p, tokenizer.encode(p, add_special_tokens=add_special_tokens)) if isinstance(p, str)
-                else (None, list(p)) for p in prompt]
+                else (None, list(p)) for p in prompts]
 
     async def _collect(self, request: CompletionRequest, request_id: str, n: int,
                        outputs: _Outputs) -> CompletionResponse:
