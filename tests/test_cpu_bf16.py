@@ -18,18 +18,16 @@ from transformers import AutoModelForCausalLM
 from raylm.cluster import LLM, SamplingParams
 from raylm.configs import model_info
 from raylm.configs.engine_config import ModelConfig
-from raylm.configs.model_info import read_model_info, resolve_dtype
+from raylm.configs.model_info import explain_dtype, read_model_info, resolve_dtype
 from raylm.runner import cpu_kernels
 from raylm.runner.attention import CPUAttentionBackend, TorchAttentionBackend
 from raylm.runner.cpu_kernels import cpu_flags
 from raylm.runner.layers.rotary_embedding import RotaryEmbedding, _default_inv_freq
+from tests.reference import assert_equal_but_near_ties, greedy_with_logits
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="raylm's CPU kernels could not be built here")
 
 BF16 = torch.bfloat16
-# Where raylm and transformers, both in bfloat16, pick different greedy tokens, transformers' own logits for the two
-# must lie closer than this: a near-tie that rounding (another summation order, a fused op) may tip either way.
-NEAR_TIE = 0.02
 
 
 @pytest.fixture(params=["native", "avx2"])
@@ -144,33 +142,9 @@ def test_kv_write_and_paged_attention(ops: ModuleType, query_lens: list[int], se
     torch.testing.assert_close(got.flatten(1)[:n].float(), expected[:n], rtol=2**-7, atol=2e-3)
 
 
-@torch.inference_mode()
 def transformers_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
     """Per prompt: transformers' greedy tokens in bfloat16 and its logits at each position."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=BF16).eval()
-    results = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                             eos_token_id=None)
-        results.append((out.sequences[0, len(prompt):].tolist(), torch.stack([lg[0].float() for lg in out.logits])))
-    return results
-
-
-def assert_equal_but_near_ties(reference: list[tuple[list[int], torch.Tensor]], ours: list[list[int]]) -> int:
-    """The 16-bit parity rule: equal greedy tokens, except that a sequence may leave the reference's at a position
-    where the reference's own logits of its token and ours differ by less than NEAR_TIE (its top two are that close);
-    the comparison of that sequence stops there. Returns how many sequences left."""
-    diverged = 0
-    for i, ((ref_tokens, ref_logits), our_tokens) in enumerate(zip(reference, ours, strict=True)):
-        pos = next((p for p, (a, b) in enumerate(zip(ref_tokens, our_tokens, strict=True)) if a != b), None)
-        if pos is None:
-            continue
-        gap = float(ref_logits[pos, ref_tokens[pos]] - ref_logits[pos, our_tokens[pos]])
-        assert gap < NEAR_TIE, f"prompt {i} position {pos}: raylm chose {our_tokens[pos]}, {gap:.4f} below " \
-                               f"transformers' {ref_tokens[pos]}: not a near-tie"
-        diverged += 1
-    return diverged
+    return greedy_with_logits(AutoModelForCausalLM.from_pretrained(path, dtype=BF16).eval(), prompts, max_tokens)
 
 
 @pytest.mark.parametrize("schedule", [dict(max_num_batched_tokens=1024), dict(max_num_batched_tokens=32),
@@ -183,7 +157,7 @@ def test_bf16_engine_follows_transformers_in_bf16(arch: str, schedule: dict, che
     llm = LLM(model=str(checkpoints[arch]), dtype="bfloat16", max_model_len=512, block_size=16,
               enable_prefix_caching=False, max_num_seqs=16, **schedule)
     try:
-        assert llm.llm_engine.config.model_config.dtype == "bfloat16"
+        assert llm.llm_engine.config.resolved.dtype == "bfloat16"
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     finally:
@@ -193,20 +167,40 @@ def test_bf16_engine_follows_transformers_in_bf16(arch: str, schedule: dict, che
     assert diverged <= 2, f"{diverged} of {len(prompts)} sequences left transformers' tokens"
 
 
-def test_auto_picks_bf16_on_cpu_only_for_a_16_bit_checkpoint_on_a_bf16_cpu(llama_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_picks_bf16_on_cpu_for_16_bit_or_quantized_weights_on_a_bf16_cpu(llama_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     info = read_model_info(str(llama_path))
     auto, sixteen_bit = ModelConfig(dtype="auto"), dataclasses.replace(info, checkpoint_dtype="bfloat16")
     for has_bf16 in (True, False):
         monkeypatch.setattr(model_info, "cpu_multiplies_bf16", lambda has=has_bf16: has)
-        assert resolve_dtype(auto, sixteen_bit, "cpu") == ("bfloat16" if has_bf16 else "float32")
+        bf16_if_the_cpu_has_it = "bfloat16" if has_bf16 else "float32"
+        assert resolve_dtype(auto, sixteen_bit, "cpu") == bf16_if_the_cpu_has_it
         assert resolve_dtype(auto, dataclasses.replace(info, checkpoint_dtype="float16"), "cpu") == (
-            "bfloat16" if has_bf16 else "float32")
+            bf16_if_the_cpu_has_it)
         assert resolve_dtype(auto, info, "cpu") == "float32"  # a float32 checkpoint keeps float32 (the oracle's)
-        assert resolve_dtype(ModelConfig(dtype="auto", quantization="int8"), sixteen_bit, "cpu") == "float32"
+        for method in ("int8", "int4"):  # quantized weights compute in bfloat16, whatever the checkpoint stored
+            for checkpoint in (info, sixteen_bit):
+                assert resolve_dtype(ModelConfig(dtype="auto", quantization=method), checkpoint, "cpu") == (
+                    bf16_if_the_cpu_has_it)
+        assert resolve_dtype(ModelConfig(dtype="float32", quantization="int4"), info, "cpu") == "float32"
         assert resolve_dtype(ModelConfig(dtype="float32"), sixteen_bit, "cpu") == "float32"
         assert resolve_dtype(ModelConfig(dtype="bfloat16"), info, "cpu") == "bfloat16"
         assert resolve_dtype(auto, info, "cuda") == "bfloat16"
+
+
+def test_the_dtype_line_says_why(llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    info = read_model_info(str(llama_path))
+    int4 = ModelConfig(dtype="auto", quantization="int4")
+    monkeypatch.setattr(model_info, "cpu_multiplies_bf16", lambda: True)
+    monkeypatch.setattr(model_info, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert explain_dtype(int4, info, "cpu") == "bfloat16 (auto: quantized int4 weights, CPU has AVX512-BF16)"
+    assert explain_dtype(ModelConfig(dtype="auto"), dataclasses.replace(info, checkpoint_dtype="float16"), "cpu") == (
+        "bfloat16 (auto: float16 checkpoint, CPU has AVX512-BF16)")
+    assert explain_dtype(ModelConfig(dtype="auto"), info, "cpu") == "float32 (auto: float32 checkpoint)"
+    assert explain_dtype(ModelConfig(dtype="float32", quantization="int4"), info, "cpu") == "float32 (set)"
+    monkeypatch.setattr(model_info, "cpu_multiplies_bf16", lambda: False)
+    assert explain_dtype(int4, info, "cpu") == (
+        "float32 (auto: quantized int4 weights, but no bfloat16 dot products on this CPU)")
 
 
 def test_a_bf16_cpu_is_what_its_flags_and_onednn_say() -> None:

@@ -1,6 +1,8 @@
-"""The real default model, SmolLM2-135M-Instruct (Q4_1 GGUF): it answers, and its dequantized float32 twin scores a
-text as transformers does from the same file. Runs only where the file was fetched (scripts/fetch_default_model.py,
-which scripts/bootstrap.sh runs); skipped elsewhere, so the suite never needs the download."""
+"""The real default model, SmolLM2-135M-Instruct (Q4_1 GGUF): it answers, at its default dtype (bfloat16 on a CPU with
+bfloat16 dot products) it generates what transformers generates from the same file in bfloat16 but at near-ties, and
+in float32 its dequantized twin scores a text as transformers does. Runs only where the file was fetched
+(scripts/fetch_default_model.py, which scripts/bootstrap.sh runs); skipped elsewhere, so the suite never needs the
+download."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +13,8 @@ import torch
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.entrypoints.cli import main
 from raylm.cluster.models.default_gguf import default_gguf_path
+from raylm.configs.model_info import cpu_multiplies_bf16
+from tests.reference import assert_equal_but_near_ties, greedy_with_logits
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(default_gguf_path() is None, reason="SmolLM2 GGUF not fetched on this machine")]
@@ -26,15 +30,17 @@ def test_generate_with_no_model_answers(capsys: pytest.CaptureFixture[str]) -> N
 
 @torch.inference_mode()
 def test_float32_twin_matches_transformers_on_the_same_file() -> None:
-    """quantization none (the Q4_1 weights dequantized to float32): every reported log-probability of a 128-token
-    window within 1e-4 of transformers'. Kept packed, the kernels multiply the same numbers in another order."""
+    """In float32, quantization none (the Q4_1 weights dequantized to float32): every reported log-probability of a
+    128-token window within 1e-4 of transformers'. Kept packed, the kernels multiply the same numbers in another
+    order."""
     from transformers import AutoModelForCausalLM
 
     path = default_gguf_path()
     assert path is not None
     scores = {}
     for method in ("none", "gguf"):
-        llm = LLM(model=str(path), quantization=method, max_model_len=256, enable_prefix_caching=False)
+        llm = LLM(model=str(path), quantization=method, dtype="float32", max_model_len=256,
+                  enable_prefix_caching=False)
         try:
             tokens = llm.get_tokenizer().encode(TEXT.read_text())[:128]
             out = llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, prompt_logprobs=5),
@@ -47,3 +53,30 @@ def test_float32_twin_matches_transformers_on_the_same_file() -> None:
     gaps = {method: max(abs(lp - reference[i, t].item()) for i, position in enumerate(positions)
                         for t, lp in position.items()) for method, positions in scores.items()}
     assert gaps["none"] < 1e-4 and gaps["gguf"] < 1e-3, gaps
+
+
+@torch.inference_mode()
+def test_default_dtype_follows_transformers_in_bf16() -> None:
+    """At its defaults (bfloat16 where the CPU multiplies it; elsewhere the test asks for it) the file's blocks run
+    planned against bfloat16 kernels on a bfloat16 copy: greedy chat answers equal transformers' in bfloat16 on the
+    same file, except at a near-tie."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path()
+    assert path is not None
+    llm = LLM(model=str(path), dtype="auto" if cpu_multiplies_bf16() else "bfloat16", max_model_len=256,
+              enable_prefix_caching=False)
+    try:
+        assert llm.llm_engine.config.model_config.dtype == "bfloat16"
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                                  add_generation_prompt=True))
+                   for text in ("What is the capital of France?", "Name three colours.", "Write a haiku about rain.")]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    diverged = assert_equal_but_near_ties(greedy_with_logits(hf, prompts, 24),
+                                          [list(o.outputs[0].token_ids) for o in outputs])
+    assert diverged <= 1, f"{diverged} of {len(prompts)} answers left transformers' tokens"

@@ -1,6 +1,7 @@
 """GGUF files the test writes itself (tiny random Llama, Qwen2 and Qwen3 through the gguf package's writer, linear
 weights in Q8_0 or Q4_1): the config and tokenizer read from the metadata, and greedy generation with the weights kept
-packed and dequantized, each against transformers loading the same file; refusals name what they refuse."""
+packed and dequantized, each against transformers loading the same file (in float32, and at the default dtype, which
+is bfloat16 on a CPU with bfloat16 dot products, in bfloat16); refusals name what they refuse."""
 from __future__ import annotations
 
 import json
@@ -13,9 +14,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.configs.gguf_metadata import gguf_tokenizer, read_gguf_config
+from raylm.configs.model_info import cpu_multiplies_bf16
 from scripts.gguf_to_safetensors import write_float32_checkpoint
 from tests.gguf_files import write_gguf
-from tests.reference import TOP_K, check_logprobs_close
+from tests.reference import TOP_K, assert_equal_but_near_ties, check_logprobs_close, greedy_with_logits
 
 Q = gguf.GGMLQuantizationType
 CASES = [("llama", Q.Q4_1), ("llama", Q.Q8_0), ("qwen2", Q.Q4_1), ("qwen2", Q.Q8_0), ("qwen3", Q.Q4_1)]
@@ -38,11 +40,10 @@ def gguf_file(request: pytest.FixtureRequest, checkpoints: dict[str, Path],
     return checkpoints[arch], write_gguf(checkpoints[arch], out, qtype)
 
 
-def hf_model(checkpoint: Path, path: Path) -> torch.nn.Module:
+def hf_model(checkpoint: Path, path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     # transformers 5.25 reads no head_dim from a qwen3 GGUF (it would take 128): give it the checkpoint's config.
     config = AutoConfig.from_pretrained(checkpoint)
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=dtype).eval()
 
 
 def test_config_from_metadata(gguf_file: tuple[Path, Path]) -> None:
@@ -105,11 +106,12 @@ def _hf_generate(model: torch.nn.Module) -> list[tuple[list[int], list[dict[int,
 
 @pytest.mark.parametrize("quantization", ["gguf", "none"])
 def test_generation_matches_transformers(gguf_file: tuple[Path, Path], quantization: str) -> None:
-    """Kept packed (the block kernels) or dequantized to float32, raylm generates what transformers generates from
-    the same file; dequantized, its logprobs agree to 1e-4."""
+    """In float32, kept packed (the block kernels or float32 kernels on a float32 copy) or dequantized, raylm
+    generates what transformers generates in float32 from the same file; dequantized, its logprobs agree to 1e-4."""
     checkpoint, path = gguf_file
     reference = _hf_generate(hf_model(checkpoint, path))
-    llm = LLM(model=str(path), quantization=quantization, max_model_len=128, enable_prefix_caching=False)
+    llm = LLM(model=str(path), quantization=quantization, dtype="float32", max_model_len=128,
+              enable_prefix_caching=False)
     try:
         ours = _generate(llm)
     finally:
@@ -119,6 +121,25 @@ def test_generation_matches_transformers(gguf_file: tuple[Path, Path], quantizat
         for (_, ref_top), (_, our_top) in zip(reference, ours):
             for ref_at, our_at in zip(ref_top, our_top):
                 assert all(abs(ref_at[t] - our_at[t]) < 1e-4 for t in our_at if t in ref_at)
+
+
+def test_default_dtype_follows_transformers_in_bf16(gguf_file: tuple[Path, Path]) -> None:
+    """At its defaults a GGUF file computes in bfloat16 where the CPU multiplies it (resolve_dtype; elsewhere the
+    test asks for bfloat16): its blocks planned against bfloat16 kernels on a bfloat16 copy. The 16-bit parity rule
+    against transformers loading the same file in bfloat16: equal greedy tokens, except at a near-tie."""
+    checkpoint, path = gguf_file
+    prompts = [*_prompts(), list(range(100, 117)), [7]]
+    llm = LLM(model=str(path), dtype="auto" if cpu_multiplies_bf16() else "bfloat16", max_model_len=128,
+              enable_prefix_caching=False, max_num_seqs=8)
+    try:
+        assert llm.llm_engine.config.model_config.dtype == "bfloat16"
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    reference = greedy_with_logits(hf_model(checkpoint, path, torch.bfloat16), prompts, 16)
+    diverged = assert_equal_but_near_ties(reference, [list(o.outputs[0].token_ids) for o in outputs])
+    assert diverged <= 2, f"{diverged} of {len(prompts)} sequences left transformers' tokens"
 
 
 def test_float32_checkpoint_written_from_gguf(checkpoints: dict[str, Path], tmp_path: Path) -> None:

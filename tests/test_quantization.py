@@ -2,7 +2,9 @@
 
 The oracle for a quantized float checkpoint is transformers on the same checkpoint with each weight the engine
 quantizes replaced by its dequantized blocks (Q8_0 for int8 and every LM head, Q4_1 for int4's linears): the same
-numbers, so greedy output must match. TP=2 shards the packed bytes; it must give the single device's output."""
+numbers, so greedy output must match in float32 (these tests pin dtype float32: `auto` computes a quantized model in
+bfloat16 on a CPU with bfloat16 dot products); at the default dtype, the 16-bit parity rule against the twin in
+bfloat16. TP=2 shards the packed bytes; it must give the single device's output."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.configs import model_info
+from raylm.configs.model_info import cpu_multiplies_bf16
 from raylm.runner import cpu_kernels
 from raylm.runner.layers.cpu_gemm import KERNELS, ROW_BUCKETS, GemmPlan
 from raylm.runner.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -25,11 +28,18 @@ from raylm.runner.layers.quantization import get_quantization_config, kernels
 from raylm.runner.layers.quantization.base_config import set_quant_config
 from raylm.runner.layers.quantization.ggml_blocks import Q4_1, Q8_0, dequantize, quantize
 from tests.gguf_files import write_gguf
-from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
+from tests.reference import (
+    TOP_K,
+    assert_equal_but_near_ties,
+    assert_same_output,
+    check_logprobs_close,
+    greedy_with_logits,
+    hf_greedy,
+)
 
 MAX_TOKENS = 10
 PROMPTS = [[5, 17, 33, 400, 12], list(range(10, 70)), [300] * 3, [7]]
-ENGINE = dict(max_model_len=128, block_size=16, enable_prefix_caching=False)
+ENGINE = dict(max_model_len=128, block_size=16, enable_prefix_caching=False, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +85,27 @@ def test_quantized_float_checkpoint_matches_its_dequantized_twin(checkpoints: di
                                                                  method: str, tmp_path: Path) -> None:
     reference = hf_greedy(_fake_quantized(checkpoints[arch], method, tmp_path / "twin"), PROMPTS, MAX_TOKENS)
     assert check_logprobs_close(reference, _run(checkpoints[arch], quantization=method), f"{arch} {method}") == 0
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_default_dtype_follows_the_twin_in_bf16(checkpoints: dict[str, Path], method: str, tmp_path: Path) -> None:
+    """At its defaults a quantized model computes in bfloat16 where the CPU multiplies it (elsewhere the test asks for
+    bfloat16): the block kernels planned against bfloat16 kernels on a bfloat16 copy. Against transformers running
+    the dequantized twin in bfloat16: equal greedy tokens, except at a near-tie."""
+    twin = _fake_quantized(checkpoints["llama"], method, tmp_path / "twin")
+    prompts = [*PROMPTS, list(range(200, 240)), [9, 8, 7]]
+    llm = LLM(model=str(checkpoints["llama"]), quantization=method, max_num_seqs=8,
+              **{**ENGINE, "dtype": "auto" if cpu_multiplies_bf16() else "bfloat16"})
+    try:
+        assert llm.llm_engine.config.model_config.dtype == "bfloat16"
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    reference = greedy_with_logits(AutoModelForCausalLM.from_pretrained(twin, dtype=torch.bfloat16).eval(), prompts,
+                                   16)
+    diverged = assert_equal_but_near_ties(reference, [list(o.outputs[0].token_ids) for o in outputs])
+    assert diverged <= 2, f"{diverged} of {len(prompts)} sequences left transformers' tokens"
 
 
 def test_tied_embedding_is_quantized_once(tied_path: Path, tmp_path: Path) -> None:

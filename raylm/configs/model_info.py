@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 _DTYPES = {"float32", "float16", "bfloat16"}
+# The quantizations whose blocks `auto` computes in bfloat16 on CPU (resolve_dtype). A checkpoint quantized as shipped
+# (compressed-tensors, GPTQ, AWQ: configs/quant_formats.py) keeps float32 until its tests hold the 16-bit parity rule.
+BF16_QUANTIZATIONS = ("gguf", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -71,32 +74,68 @@ def read_model_info(model_path: str) -> ModelInfo:
 
 def resolve_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type: str) -> str:
     """The dtype setting, or for "auto":
-    - on CPU, bfloat16 where three things hold: the checkpoint is stored in 16 bits (bfloat16 or float16), its weights
-      are not quantized, and the CPU multiplies bfloat16 in hardware (cpu_multiplies_bf16). There raylm's bfloat16
-      kernels read half the bytes and measured faster than float32 (docs/cpu-performance.md, "bfloat16"). Else
-      float32: a float32 checkpoint keeps the precision it was stored in (and the transformers oracle's), the
-      quantized block kernels compute float32, and without bfloat16 instructions every product widens first.
+    - on CPU, bfloat16 where the CPU multiplies bfloat16 in hardware (cpu_multiplies_bf16) and the weights are either
+      stored in 16 bits (bfloat16 or float16) or quantized (a GGUF file's blocks, `int8`, `int4`): activations, KV
+      cache and attention in bfloat16, each quantized linear planned per shape and rows between its block kernel
+      and the float kernels on a bfloat16 dequantized copy. A 16-bit checkpoint loses nothing that matters, and a
+      quantized weight already rounds each weight by about as much as bfloat16 (Q8_0) or more (4 bits); both ran
+      faster than float32 (docs/cpu-performance.md). Their accuracy rule is the 16-bit parity rule: transformers'
+      greedy tokens in bfloat16, except at a near-tie. Else float32: a float32 checkpoint keeps the precision it
+      was stored in (and the transformers oracle's), and without bfloat16 instructions every product widens first.
     - elsewhere, the checkpoint's 16-bit dtype (bfloat16 for a float32 checkpoint)."""
     if model_config.dtype != "auto":
         return model_config.dtype
     checkpoint = model_info.checkpoint_dtype
     if device_type == "cpu":
-        quantized = resolve_quantization(model_config, model_info) != "none"
-        sixteen_bit = checkpoint in ("bfloat16", "float16")
-        return "bfloat16" if sixteen_bit and not quantized and cpu_multiplies_bf16() else "float32"
+        return "bfloat16" if _bf16_weights(model_config, model_info) and cpu_multiplies_bf16() else "float32"
     return checkpoint if checkpoint is not None and checkpoint != "float32" else "bfloat16"
+
+
+def explain_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type: str) -> str:
+    """The resolved dtype and why, for the engine-config line: e.g. "bfloat16 (auto: quantized gguf weights, CPU has
+    AVX512-BF16)", "float32 (auto: float32 checkpoint)", "float32 (set)"."""
+    dtype = resolve_dtype(model_config, model_info, device_type)
+    if model_config.dtype != "auto":
+        return f"{dtype} (set)"
+    if device_type != "cpu":
+        return f"{dtype} (auto: {model_info.checkpoint_dtype or 'float32'} checkpoint on {device_type})"
+    weights = _bf16_weights(model_config, model_info)
+    if weights is None:
+        return f"{dtype} (auto: {model_info.checkpoint_dtype or 'float32'} checkpoint)"
+    if dtype == "float32":
+        return f"{dtype} (auto: {weights}, but no bfloat16 dot products on this CPU)"
+    return f"{dtype} (auto: {weights}, CPU has {_bf16_instructions()})"
+
+
+def _bf16_weights(model_config: ModelConfig, model_info: ModelInfo) -> str | None:
+    """What makes the weights fit bfloat16 compute (quantized, or stored in 16 bits), or None."""
+    quantization = resolve_quantization(model_config, model_info)
+    if quantization in BF16_QUANTIZATIONS:
+        return f"quantized {quantization} weights"
+    if model_info.checkpoint_dtype in ("bfloat16", "float16"):
+        return f"{model_info.checkpoint_dtype} checkpoint"
+    return None
+
+
+def _bf16_instructions() -> str:
+    flags = _cpu_flags()
+    return " and ".join(name for flag, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
+                        if flag in flags) or "bfloat16 dot products"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return next((set(line.split()) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
 @cache
 def cpu_multiplies_bf16() -> bool:
     """Whether this CPU has bfloat16 dot products in hardware (AVX512-BF16 or AMX-BF16 among its flags: raylm's
     kernels use the first, oneDNN both) and torch's oneDNN runs bfloat16 here (its own ISA check)."""
-    try:
-        flags = next((line.split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        return False
-    if not {"avx512_bf16", "amx_bf16"} & set(flags):
+    if not {"avx512_bf16", "amx_bf16"} & _cpu_flags():
         return False
     import torch  # here, not at import: the config layer is read by processes that never compute
 

@@ -21,6 +21,7 @@ from raylm.configs.kv_transfer import KVTransferConfig
 from raylm.configs.lora import resolve_lora_config
 from raylm.configs.model_info import (
     ModelInfo,
+    explain_dtype,
     read_model_info,
     resolve_dtype,
     resolve_max_model_len,
@@ -108,7 +109,8 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     show_info(logger)
     logger.info("engine config: model %s (%s), device %s, dtype %s, quantization %s, attention %s, executor %s%s, "
                 "cudagraph_mode %s, max_model_len %d, %d step(s) in flight, grammars %s%s",
-                model_config.served_model_name, model_info.architecture, device, dtype, quantization,
+                model_config.served_model_name, model_info.architecture, device,
+                explain_dtype(model_config, model_info, device), quantization,
                 attention_backend, executor_backend,
                 ", lock-step DP" if dp_lockstep else "", resolved.compilation_config.cudagraph_mode,
                 max_model_len, max_concurrent_batches, "/".join(grammar_backends) or "none",

@@ -107,6 +107,7 @@ class CpuGemmMixin:
     # A block-quantized layer's own kernel (`packed` in plans) and its weight's float copy for the float kernels.
     block_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     dequantized: torch.Tensor | None = None
+    params_dtype: torch.dtype  # a quantized layer's activations (the model's dtype), set with block_matmul
 
     def gemm_weight(self) -> torch.Tensor:
         """The float weight the float kernels run on: the dequantized copy of a quantized layer, else the weight."""
@@ -263,8 +264,8 @@ def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[f
     ops = skinny_ops(weight)
     # Packed once for every bucket that times them (up to _COLD_BYTES of them for the cold small ones).
     skinny = None if ops is None else [ops.pack_skinny(layer.gemm_weight().detach()) for layer in layers[:num_cold]]
-    # x as the layer receives it: float32 activations for a quantized layer, whatever its copy's dtype.
-    x_dtype = torch.float32 if layers[0].block_matmul is not None else weight.dtype
+    # x as the layer receives it: a quantized layer's activations may differ from its copy's dtype (block_quant).
+    x_dtype = layers[0].params_dtype if layers[0].block_matmul is not None else weight.dtype
     choices: list[str] = []
     figures: dict[str, list[float]] = {name: [] for name in KERNELS}
     for rows in ROW_BUCKETS:

@@ -152,11 +152,11 @@ class BlockQuantConfig(QuantizationConfig):
 
 
 def dequantized_dtype(activations: torch.dtype) -> torch.dtype:
-    """The dtype of a quantized layer's float copy: the activations' (`dtype`), except bfloat16 on a CPU without
-    bfloat16 dot products (cpu_multiplies_bf16, the rule of `dtype: auto`), where the copy is float32 and x is upcast,
-    as float bfloat16 layers do there. float32 activations (`dtype: auto` for a quantized model) keep a float32 copy:
-    a bfloat16 one ran 2.7-3.8x faster from 8 rows on AMX but rounds x and the weights to 8 bits, off float32's
-    results by more than the parity tests allow (docs/cpu-performance.md, "Quantized weights at every batch size")."""
+    """The dtype of a quantized layer's float copy: the activations' (`dtype`; bfloat16 under `auto` on a CPU with
+    bfloat16 dot products), except bfloat16 on a CPU without them (cpu_multiplies_bf16), where the copy is float32
+    and x is upcast, as float bfloat16 layers do there. float32 activations (`dtype: float32`, or `auto` without
+    bfloat16 instructions) keep a float32 copy: a bfloat16 one under float32 activations would round x to 8 bits,
+    off float32's results by more than the float32 parity tests allow."""
     native = activations == torch.bfloat16 and model_info.cpu_multiplies_bf16()
     return torch.bfloat16 if native else torch.float32
 

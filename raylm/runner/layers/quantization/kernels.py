@@ -65,7 +65,7 @@ def block_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: 
 def block_rows(packed: torch.Tensor, ids: torch.Tensor, fmt: BlockFormat, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of W as `dtype` (an embedding lookup on a quantized table)."""
     flat = ids.reshape(-1)
-    ops = kernels_for(packed.device, dtype)
+    ops = kernels_for(packed.device, torch.float32)  # decoded to float32, then cast: exact for any float dtype
     rows = (dequantize(packed[flat], fmt) if ops is None
             else ops.block_dequantize(packed, flat.to(torch.int64).contiguous(), fmt.ggml_type,
                                       packed.shape[1] // fmt.type_bytes * 32))
