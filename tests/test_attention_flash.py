@@ -4,6 +4,7 @@ metadata, the fixed-buffer decode a CUDA graph replays) on CPU over a plain-torc
 batch of prompts, chunks with context and decodes."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import raylm.runner.attention
+from raylm.configs.attention_backends import ATTENTION_BACKENDS
 from raylm.runner.attention import FlashAttentionBackend, TorchAttentionBackend, choose_attn_backend
 from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.attention.flash_attn_backend import unavailable_reason
@@ -44,7 +45,10 @@ def test_replay_path_and_eager_steps_sample_as_the_torch_backend(llama_path: Pat
     padding requests to the scratch slot) and the eager steps (flash_attn_varlen_func) sample what the unpadded
     runner and the torch backend sample, and write exactly the real tokens' slots."""
     monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_reference.as_module())
-    monkeypatch.setattr(raylm.runner.attention, "_flash_attn_unavailable", lambda *_: None)  # CPU, float32, block 4
+    # The stand-in runs on CPU, in float32, with blocks of 4: resolution's table says so for this test.
+    stand_in = dataclasses.replace(ATTENTION_BACKENDS["flash_attn"], devices=("cpu",), dtypes=("float32",),
+                                   block_size_multiple=1)
+    monkeypatch.setitem(ATTENTION_BACKENDS, "flash_attn", stand_in)
     flash = check_replay_path_samples_the_same(llama_path, attention_backend="flash_attn", block_size=4)
     assert isinstance(flash.attn_backend, FlashAttentionBackend)
     assert serve(make_runner(llama_path, attention_backend="flash_attn"))[0] == \

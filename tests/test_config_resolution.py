@@ -1,5 +1,6 @@
-"""One resolve step (raylm/cluster/engine/config_resolver.py): every `auto` and derived decision is made once, where the
-engine runs, and every layer reads the resolved fields. Ray here declares fake GPUs; no CUDA worker starts."""
+"""One resolve step, where the engine runs (raylm/cluster/engine/config_resolver.py reads the checkpoint and the
+environment, raylm/configs/resolve.py decides): every `auto` and derived decision is made once, and every layer reads
+the resolved fields. Ray here declares fake GPUs; no CUDA worker starts."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,16 +8,17 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pydantic
 import pytest
 import ray
 import torch
 
-from raylm import LLM, SamplingParams
 from raylm.cluster.engine.config_resolver import resolve_engine_config
-from raylm.cluster.serve.app import llm_server_options
-from raylm.configs import make_engine_config
+from raylm.cluster.serve.app import llm_server_options, replica_deployment
+from raylm.configs import EngineConfig, make_engine_config
+from raylm.configs.bundles import EngineBundles
 from raylm.configs.model_info import cpu_multiplies_bf16
 
 
@@ -49,12 +51,13 @@ def test_ray_workers_decide_device_dtype_and_backend(bf16_path: Path, gpus: int,
     assert not torch.cuda.is_available(), "the driver has no CUDA"
     config = resolve_engine_config(make_engine_config(model=str(bf16_path), tensor_parallel_size=2,
                                                       max_model_len=128))
-    assert config.resolved is not None and config.resolved.num_ray_bundles == 3
-    assert (config.model_config.device, config.model_config.dtype) == (device, dtype)
+    resolved = config.resolved
+    assert resolved.num_ray_bundles == 3
+    assert (resolved.device, resolved.dtype) == (device, dtype)
     assert config.model_info.checkpoint_dtype == "bfloat16"
-    assert config.cache_config.attention_backend == attention
-    assert config.parallel_config.distributed_executor_backend == "ray"
-    assert config.compilation_config.cudagraph_mode == ("FULL_DECODE_ONLY" if device == "cuda" else "NONE")
+    assert resolved.attention_backend == attention
+    assert resolved.executor_backend == "ray"
+    assert resolved.cudagraph.mode == ("FULL_DECODE_ONLY" if device == "cuda" else "NONE")
     assert resolve_engine_config(config) is config  # resolved once
 
 
@@ -63,23 +66,32 @@ def test_a_process_without_a_gpu_puts_its_worker_on_ray(bf16_path: Path, gpus: i
     """A Serve replica given no GPU (or a job's CPU head) never builds a CPU engine on a GPU cluster by accident: its
     one worker goes to a GPU actor."""
     config = resolve_engine_config(make_engine_config(model=str(bf16_path), max_model_len=128))
-    assert config.model_config.device == "cuda" and config.parallel_config.distributed_executor_backend == "ray"
+    assert config.resolved.device == "cuda" and config.resolved.executor_backend == "ray"
     with pytest.raises(ValueError, match="'uni' runs the worker in this process, which has no GPU"):
         resolve_engine_config(make_engine_config(model=str(bf16_path), distributed_executor_backend="uni"))
 
 
 @pytest.mark.parametrize("gpus", [2], indirect=True)
 def test_serve_gives_replicas_what_the_resolver_will_decide(bf16_path: Path, gpus: int) -> None:
-    in_process = llm_server_options(make_engine_config(model=str(bf16_path)))
+    in_process = server_options(make_engine_config(model=str(bf16_path)))
     assert in_process["ray_actor_options"]["num_gpus"] == 1 and "placement_group_bundles" not in in_process
-    with_workers = llm_server_options(make_engine_config(model=str(bf16_path), tensor_parallel_size=2))
+    with_workers = server_options(make_engine_config(model=str(bf16_path), tensor_parallel_size=2))
     assert with_workers["ray_actor_options"]["num_gpus"] == 0
     bundles = with_workers["placement_group_bundles"]
     assert bundles[0].get("GPU", 0) == 0 and sum(bundle.get("GPU", 0) for bundle in bundles) == 2
+    # The builder follows the deployment it is given: a worker actor instead of a GPU in the replica, its bundles.
+    config = make_engine_config(model=str(bf16_path))
+    deployment = replica_deployment(config)
+    assert (deployment.device, deployment.executor_backend) == ("cuda", "uni")
+    on_ray = dataclasses.replace(deployment, executor_backend="ray",
+                                 bundle_layout=EngineBundles({"CPU": 1.0}, ({"GPU": 1.0},)))
+    options = llm_server_options(config, on_ray)
+    assert options["ray_actor_options"]["num_gpus"] == 0
+    assert options["placement_group_bundles"] == [{"CPU": 1.0}, {"GPU": 1.0}]
 
 
 def test_serve_builds_without_ray_and_leaves_the_device_to_the_replica(bf16_path: Path) -> None:
-    options = llm_server_options(make_engine_config(model=str(bf16_path)))
+    options = server_options(make_engine_config(model=str(bf16_path)))
     assert options["ray_actor_options"]["num_gpus"] == 0 and "placement_group_bundles" not in options
     assert not ray.is_initialized()
 
@@ -87,8 +99,8 @@ def test_serve_builds_without_ray_and_leaves_the_device_to_the_replica(bf16_path
 def test_in_process_worker_decides_from_local_torch(bf16_path: Path) -> None:
     config = resolve_engine_config(make_engine_config(model=str(bf16_path), max_model_len=128))
     dtype = "bfloat16" if cpu_multiplies_bf16() else "float32"  # resolve_dtype's CPU rule
-    assert (config.model_config.device, config.model_config.dtype) == ("cpu", dtype)
-    assert config.parallel_config.distributed_executor_backend == "uni"
+    assert (config.resolved.device, config.resolved.dtype) == ("cpu", dtype)
+    assert config.resolved.executor_backend == "uni"
     assert not ray.is_initialized(), "an in-process worker needs no Ray"
 
 
@@ -107,7 +119,7 @@ def test_checkpoint_is_checked_on_the_driver(llama_path: Path, tmp_path: Path) -
 def test_pipeline_parallel_keeps_async_scheduling_to_the_batch_queue(llama_path: Path) -> None:
     config = resolve_engine_config(make_engine_config(model=str(llama_path), pipeline_parallel_size=2, device="cpu",
                                                       async_scheduling=True))
-    assert config.resolved is not None and config.resolved.max_concurrent_batches == 3
+    assert config.resolved.max_concurrent_batches == 3
     assert not config.scheduler_config.async_scheduling  # no placeholders: stage 0 waits for sampled tokens
 
 
@@ -116,37 +128,10 @@ def test_a_resolved_config_is_frozen(llama_path: Path) -> None:
     with pytest.raises(pydantic.ValidationError, match="frozen"):
         config.model_config.device = "cuda"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.resolved = None  # type: ignore[misc]
+        config.resolution = None  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.resolved.device = "cuda"  # type: ignore[misc]
 
 
-def test_every_layer_reads_the_resolved_fields(llama_path: Path) -> None:
-    """Change resolved fields after resolution, and every layer follows them instead of deciding again: the runner's
-    attention backend, dtype and graph mode, the scheduler's and the runner's max_model_len, the engine's batch queue
-    and the executor's step thread."""
-    config = resolve_engine_config(make_engine_config(model=str(llama_path), max_num_seqs=4, max_model_len=256))
-    assert config.resolved is not None
-    assert (config.cache_config.attention_backend, config.model_config.dtype) == ("cpu", "float32")
-    changed = dataclasses.replace(
-        config,
-        model_config=config.model_config.model_copy(update={"dtype": "bfloat16", "max_model_len": 64}),
-        cache_config=config.cache_config.model_copy(update={"attention_backend": "torch"}),
-        scheduler_config=config.scheduler_config.model_copy(update={"async_scheduling": True}),
-        compilation_config=config.compilation_config.model_copy(update={"cudagraph_mode": "FULL_DECODE_ONLY"}),
-        resolved=dataclasses.replace(config.resolved, max_concurrent_batches=2))
-    llm = LLM.from_engine_config(changed)
-    try:
-        core = llm.llm_engine.engine_core
-        runner = core.executor.worker.model_runner
-        assert runner.attn_backend.name == "torch" and runner.dtype == torch.bfloat16
-        assert runner.kv_caches[0].dtype == torch.bfloat16
-        assert runner.graphs.dispatcher.mode_name == "FULL_DECODE_ONLY"
-        assert runner.input_batch.max_model_len == 64 and core.scheduler.max_model_len == 64
-        assert core.batch_queue is not None and core.batch_queue.maxlen == 2
-        assert core.executor._thread is not None  # async scheduling's step thread
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
-                           use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
-        with pytest.raises(ValueError, match="max_model_len"):
-            llm.generate([{"prompt_token_ids": list(range(5, 70))}], SamplingParams(max_tokens=4), use_tqdm=False)
-    finally:
-        llm.shutdown()
+def server_options(config: EngineConfig) -> dict[str, Any]:
+    return llm_server_options(config, replica_deployment(config))

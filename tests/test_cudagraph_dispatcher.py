@@ -1,6 +1,7 @@
-"""The CUDA-graph dispatcher's table (capture sizes, rounding, FULL only for uniform decode, enforce_eager, custom
-sizes, CPU default), the settings that feed it, and the ModelRunner's batch decision on real steps: uniform decode
-detected, padding applied, the trace line logged."""
+"""The CUDA-graph plan resolution decides (configs/cudagraph_plan.py: capture sizes, rounding, enforce_eager, custom
+sizes, CPU default, models without FULL graphs), the dispatcher that follows it (FULL only for uniform decode), the
+settings that feed them, and the ModelRunner's batch decision on real steps: uniform decode detected, padding
+applied, the trace line logged."""
 from __future__ import annotations
 
 import logging
@@ -11,18 +12,19 @@ from typing import Any
 import pytest
 
 from raylm.configs import make_engine_config
+from raylm.configs.cudagraph_plan import default_capture_sizes, plan_cuda_graphs
 from raylm.runner.batch_descriptor import CUDAGraphMode
-from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher, default_capture_sizes, resolve_cudagraph_mode
+from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_step
 
 NONE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.FULL
 
 
-def dispatcher(device: str = "cpu", why_no_full: str | None = None, **settings: Any) -> CudagraphDispatcher:
+def dispatcher(device: str = "cpu", why_no_full: str | None = None, query_len: int = 1,
+               **settings: Any) -> CudagraphDispatcher:
     config = make_engine_config(**settings)
-    compilation = config.compilation_config
-    resolved = compilation.model_copy(update={"cudagraph_mode": resolve_cudagraph_mode(compilation, device)})
-    return CudagraphDispatcher(resolved, config.scheduler_config, device, why_no_full)
+    return CudagraphDispatcher(plan_cuda_graphs(config.compilation_config, config.scheduler_config, device, query_len,
+                                                why_no_full))
 
 
 def test_default_capture_sizes_are_vllms() -> None:
@@ -32,7 +34,9 @@ def test_default_capture_sizes_are_vllms() -> None:
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-4:] == [248, 256, 272, 288]
     # max_num_seqs bounds the default; max_cudagraph_capture_size replaces that bound.
     assert dispatcher("cuda", max_num_seqs=20).capture_sizes == [1, 2, 4, 8, 16]
-    assert dispatcher("cuda", max_num_seqs=20, max_cudagraph_capture_size=40).capture_sizes[-1] == 40
+    assert dispatcher("cuda", max_num_seqs=64, max_cudagraph_capture_size=40).capture_sizes[-1] == 40
+    # A uniform decode batch holds at most max_num_seqs requests: larger sizes are never captured.
+    assert dispatcher("cuda", max_num_seqs=20, max_cudagraph_capture_size=40).capture_sizes[-1] == 16
 
 
 def test_cuda_default_is_full_for_uniform_decode_only() -> None:
@@ -74,15 +78,18 @@ def test_custom_sizes_and_modes() -> None:
     assert dispatcher("cpu", cudagraph_capture_sizes=[4], cudagraph_mode="FULL").dispatch(2, False) == (NONE, 2)
     # Sizes past the step's token budget can never be used.
     assert dispatcher("cpu", cudagraph_capture_sizes=[4, 4096], max_num_batched_tokens=64).capture_sizes == [4]
-    # A FULL graph of more requests than the batch holds: eager instead.
+    # A FULL graph of more requests than the batch holds: never captured, so eager instead.
     d = dispatcher("cpu", cudagraph_capture_sizes=[4, 16], max_num_seqs=8)
     assert d.dispatch(6, True) == (NONE, 6) and d.full_capture_sizes == [4]
+    # Speculative decoding's k + 1 rows per request: sizes rounded up to whole requests, bounded by max_num_seqs.
+    assert dispatcher("cuda", query_len=3, max_num_seqs=4).capture_sizes == [3, 6, 9]
 
 
 def test_models_without_full_graphs() -> None:
     """Models that read back to the host mid-forward (MoE under expert parallel, pipeline stages): no FULL graphs,
     uniform decode batches run eagerly too."""
     d = dispatcher("cuda", why_no_full="pipeline stages exchange tensors between forwards")
+    assert d.mode_name == "NONE"  # the mode in effect, which the engine-config line logs
     assert d.dispatch(3, True) == (NONE, 3) and d.full_capture_sizes == []
 
 

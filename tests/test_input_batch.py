@@ -12,7 +12,10 @@ from raylm.cluster.engine.config_resolver import resolve_engine_config
 from raylm.common.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import make_engine_config
+from raylm.configs.bundles import EngineBundles
+from raylm.configs.cudagraph_plan import CUDAGraphPlan
 from raylm.configs.engine_config import ResolvedConfig
+from raylm.configs.kv_identity import KVIdentity
 from raylm.configs.model_info import ModelInfo
 from raylm.runner.input_batch import CachedRequestState, InputBatch
 from raylm.runner.model_runner import ModelRunner
@@ -46,7 +49,12 @@ def make_runner(block_size: int = 4) -> ModelRunner:
                                 dtype="float32", max_model_len=64, attention_backend="torch")
     info = ModelInfo(path="unused", architecture="LlamaForCausalLM", vocab_size=100, num_hidden_layers=1,
                      max_position_embeddings=64, checkpoint_dtype="float32", eos_token_ids=(1,))
-    config = dataclasses.replace(config, resolved=ResolvedConfig(info, 1, False, 1))
+    resolution = ResolvedConfig(
+        model_info=info, device="cpu", dtype="float32", quantization="none", attention_backend="torch",
+        executor_backend="uni", cudagraph=CUDAGraphPlan("NONE", ()), dp_lockstep=False, uniform_decode_query_len=1,
+        max_concurrent_batches=1, bundle_layout=EngineBundles({"CPU": 1.0}, ()), num_ray_bundles=2,
+        routing_policy="load", structured_outputs_backends=(), kv_identity=KVIdentity("unused", "", "float32", "none"))
+    config = dataclasses.replace(config, resolution=resolution)
     return ModelRunner(config, torch.device("cpu"))
 
 

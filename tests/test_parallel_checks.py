@@ -68,7 +68,7 @@ def test_kv_heads_split_or_replicated(shapes: dict[str, Path]) -> None:
         resolve(shapes["kv6"], tensor_parallel_size=4)
     # More ranks than KV heads, a multiple of them: each rank holds one KV head, as QKVParallelLinear loads it.
     config = resolve(shapes["mlp320"], tensor_parallel_size=4, device="cpu")
-    assert config.parallel_config.distributed_executor_backend == "ray"
+    assert config.resolved.executor_backend == "ray"
 
 
 def test_intermediate_size_refused(shapes: dict[str, Path]) -> None:

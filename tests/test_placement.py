@@ -10,12 +10,15 @@ import pytest
 import ray
 
 from raylm.cluster import LLM
-from raylm.cluster.serve.app import build_openai_app, llm_server_options
+from raylm.cluster.serve.app import build_openai_app, llm_server_options, replica_deployment
 from raylm.configs import ParallelConfig, make_engine_config
-from raylm.executor.cluster_resources import ClusterCapacity, EngineBundles, check_fits
+from raylm.configs.bundles import EngineBundles
+from raylm.executor.cluster_resources import ClusterCapacity, check_fits
 from raylm.executor.placement import assign_ranks, create_placement_plan, describe_engine, engine_bundles
 
 TP2_PP2 = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+ONE_WORKER = ParallelConfig(distributed_executor_backend="ray")
+ONE_WORKER_LAYOUT = EngineBundles({"CPU": 1.0}, ({"CPU": 1.0},))
 NEEDS = (r"it needs 5 bundles for TP=2 x PP=2 = 4 workers and the engine itself: the engine's bundle \{CPU: 1\} \+ "
          r"4 worker bundles \{CPU: 1\}, \{CPU: 5\} in all")
 
@@ -88,7 +91,8 @@ def test_serve_app_checks_the_fit_when_built(two_cpu_ray: None, llama_path: Path
     with pytest.raises(ValueError, match=NEEDS + r".*CPU: 5 needed, the cluster has 2"):
         build_openai_app(make_engine_config(model=str(llama_path), tensor_parallel_size=2, pipeline_parallel_size=2))
     # One worker fits beside its replica: Serve creates the replica in a group of both bundles.
-    options = llm_server_options(make_engine_config(model=str(llama_path), distributed_executor_backend="ray"))
+    config = make_engine_config(model=str(llama_path), distributed_executor_backend="ray")
+    options = llm_server_options(config, replica_deployment(config))
     assert options["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
     assert (options["ray_actor_options"]["num_cpus"], options["ray_actor_options"]["num_gpus"]) == (1, 0)  # bundle 0
 
@@ -101,13 +105,13 @@ def test_engine_that_could_fit_later_times_out(two_cpu_ray: None, monkeypatch: p
     with pytest.raises(TimeoutError, match=r"not ready after 2 s: it needs 2 bundles .*the engine's bundle \{CPU: 1\} "
                                            r"\+ 1 worker bundle \{CPU: 1\}, \{CPU: 2\} in all, and the cluster has "
                                            r"\{CPU: 0\} free.*RAYLM_PLACEMENT_GROUP_TIMEOUT_S=2 s"):
-        create_placement_plan(ParallelConfig(distributed_executor_backend="ray"), "cpu")
+        create_placement_plan(ONE_WORKER, ONE_WORKER_LAYOUT)
     assert time.monotonic() - start < 10
     ray.util.remove_placement_group(holder)
     assert_no_placement_groups()
     monkeypatch.setenv("RAYLM_PLACEMENT_GROUP_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="RAYLM_PLACEMENT_GROUP_TIMEOUT_S must be a number of seconds > 0"):
-        create_placement_plan(ParallelConfig(distributed_executor_backend="ray"), "cpu")
+        create_placement_plan(ONE_WORKER, ONE_WORKER_LAYOUT)
     assert_no_placement_groups()
 
 

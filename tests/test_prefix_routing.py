@@ -13,10 +13,10 @@ import pytest
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.dp.dp_client import DPEngineCoreClient
 from raylm.cluster.dp.prefix_router import PrefixAwareLoadBalancer, PrefixRouter, text_block_hashes, token_block_hashes
-from raylm.cluster.engine.config_resolver import resolve_routing_policy
 from raylm.cluster.engine.llm_engine import LLMEngine
 from raylm.configs import make_engine_config
 from raylm.configs.kv_transfer import RoutingConfig
+from raylm.configs.resolve_sections import resolve_routing_policy
 
 BLOCK = 16
 ENGINE = dict(max_model_len=512, block_size=BLOCK, max_num_seqs=16, num_gpu_blocks_override=96)

@@ -26,6 +26,7 @@ from raylm.cluster.serve.app import (
     LLMServer,
     build_app,
     llm_server_options,
+    replica_deployment,
     replica_torch_threads,
     start_serve,
 )
@@ -75,7 +76,7 @@ def test_serve_config_builds_autoscaling_deployments(application: dict[str, Any]
     assert application["import_path"] == "raylm.cluster.serve.app:build_app"
     settings = dict(application["args"])
     config = make_engine_config(settings.pop("config"), **settings)
-    autoscaling = llm_server_options(config)["autoscaling_config"]
+    autoscaling = llm_server_options(config, replica_deployment(config))["autoscaling_config"]
     assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (1, 2)
 
 
@@ -87,7 +88,8 @@ def test_serve_config_gives_serve_raylm_settings() -> None:
 
 def test_replica_runs_at_nice_0() -> None:
     config = make_engine_config("raylm/configs/tiny.yaml")
-    assert llm_server_options(config)["ray_actor_options"]["runtime_env"] == {"env_vars": {"RAY_worker_niceness": "0"}}
+    options = llm_server_options(config, replica_deployment(config))
+    assert options["ray_actor_options"]["runtime_env"] == {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def test_serve_actors_get_raylm_settings(base_url: str, llama_path: Path) -> None:
@@ -265,7 +267,8 @@ def test_replica_with_a_killed_worker_is_replaced(base_url: str, llama_path: Pat
     replica, Serve starts another, and requests succeed again."""
     config = make_engine_config("raylm/configs/tiny.yaml", model=str(llama_path), served_model_name="recovery",
                                 tensor_parallel_size=2, distributed_executor_backend="ray")
-    options = llm_server_options(config) | {"health_check_period_s": 1, "graceful_shutdown_timeout_s": 2}
+    options = llm_server_options(config, replica_deployment(config))
+    options |= {"health_check_period_s": 1, "graceful_shutdown_timeout_s": 2}
     serve.run(serve.deployment(LLMServer).options(name="LLMServer:recovery", **options).bind(config),
               name="recovery", route_prefix="/recovery")
     try:

@@ -16,11 +16,12 @@ from raylm.cluster.core.scheduler import Scheduler
 from raylm.cluster.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from raylm.cluster.core.structured_output.backend_xgrammar import XgrammarBackend
 from raylm.cluster.core.structured_output.request import StructuredOutputRequest
-from raylm.cluster.engine.config_resolver import structured_outputs_backends
+from raylm.cluster.engine.environment import gather_environment
 from raylm.common.outputs import GrammarOutput, ModelRunnerOutput
 from raylm.common.sampling_params import SamplingParams
 from raylm.common.structured_outputs import StructuredOutputsParams
-from raylm.configs.engine_config import CacheConfig, SchedulerConfig
+from raylm.configs.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from raylm.configs.resolve_sections import structured_outputs_backends
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 from raylm.runner.structured_output import apply_grammar_bitmask
 from tests.runner_steps import resolved_config
@@ -133,7 +134,8 @@ def test_backend_choice(params: StructuredOutputsParams, backend: str, expected:
 
 
 def backends(setting: str) -> tuple[str, ...]:
-    return structured_outputs_backends(StructuredOutputsConfig(structured_outputs_backend=setting))
+    here = gather_environment(EngineConfig(), kernels=False)  # the packages installed in this process
+    return structured_outputs_backends(StructuredOutputsConfig(structured_outputs_backend=setting), here)
 
 
 def test_the_resolver_decides_the_backend_list() -> None:

@@ -15,12 +15,14 @@ from raylm.configs.kv_transfer import KVTransferConfig, RoutingConfig
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
+    from raylm.configs.bundles import EngineBundles
+    from raylm.configs.cudagraph_plan import CUDAGraphPlan
     from raylm.configs.kv_identity import KVIdentity
     from raylm.configs.model_info import ModelInfo
 
 
 class _Section(BaseModel):
-    # Frozen: a decision is made once (raylm/cluster/engine/config_resolver.py) and every layer reads it; a change is
+    # Frozen: a decision is made once (raylm/configs/resolve.py) and every layer reads it; a change is
     # a copy.
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -185,28 +187,37 @@ SECTIONS: dict[str, type[BaseModel]] = {
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """The facts derived once, when the engine's config is resolved (raylm/cluster/engine/config_resolver.py), beside
-    the `auto` fields it filled in: the checkpoint's, and how the engine runs."""
+    """Every decision resolution makes (configs/resolve.py: resolve_config), once, from the settings, the
+    checkpoint's facts and the environment's; every layer reads these fields and decides nothing again
+    (docs/architecture.md, "Where each decision is made")."""
 
     model_info: ModelInfo
-    num_ray_bundles: int  # CPU bundles a new local Ray must declare: one per engine and per worker
+    device: str  # "cpu" or "cuda"
+    dtype: str  # of the weights' compute and the KV cache: float32, float16 or bfloat16
+    quantization: str  # none, int8, int4 or gguf
+    attention_backend: str  # torch, cpu, triton or flash_attn
+    executor_backend: str  # "uni" (the worker in the engine's process) or "ray" (worker actors)
+    cudagraph: CUDAGraphPlan  # the mode in effect and the padded sizes of uniform decode batches
     dp_lockstep: bool  # data-parallel engines step together (MoE with expert parallel over DP > 1)
+    uniform_decode_query_len: int  # query rows per request of a decode step: 1 + speculative tokens
     max_concurrent_batches: int  # steps the engine keeps in flight
-    draft_model_info: ModelInfo | None = None  # speculative_config's draft checkpoint (method draft_model)
+    bundle_layout: EngineBundles  # one engine's placement group (used where it runs Ray workers, or DP engines)
+    num_ray_bundles: int  # bundles of all engines: the CPUs a local Ray started for them declares at least
+    routing_policy: str  # "load" or "prefix", over DP engines and Serve replicas
     # Grammar backends a constraint is tried against, in order (structured_outputs_backend; auto: xgrammar, then
-    # guidance); empty: constrained requests are refused (a config resolved by hand, for the runner alone).
-    structured_outputs_backends: tuple[str, ...] = ()
+    # guidance).
+    structured_outputs_backends: tuple[str, ...]
     # What decides the values of the KV this engine computes (model, dtype, quantization): the KV connectors share
-    # KV only between engines whose identities are equal. None only in a config resolved by hand.
-    kv_identity: KVIdentity | None = None
+    # KV only between engines whose identities are equal.
+    kv_identity: KVIdentity
+    draft_model_info: ModelInfo | None = None  # speculative_config's draft checkpoint (method draft_model only)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """All sections together; a plain dataclass so that the vLLM names (`model_config`, ...) stay
-    free of pydantic's reserved `model_config`. Cross-section rules are checked here. `resolved` is None until
-    resolve_engine_config fills every `auto` field and derives the rest; the engine's layers take only resolved
-    configs."""
+    free of pydantic's reserved `model_config`. Cross-section rules are checked here. `resolution` is None in the
+    settings as given; resolve_config (configs/resolve.py) sets it, and the engine's layers read `resolved`."""
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -220,11 +231,18 @@ class EngineConfig:
     routing_config: RoutingConfig = field(default_factory=RoutingConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
-    resolved: ResolvedConfig | None = None
+    resolution: ResolvedConfig | None = None
+
+    @property
+    def resolved(self) -> ResolvedConfig:
+        """The decisions; settings not resolved yet are a programming error (resolve_engine_config first)."""
+        if self.resolution is None:
+            raise RuntimeError("this engine config is not resolved: raylm.cluster.engine.config_resolver."
+                               "resolve_engine_config(config) decides it (configs/resolve.py)")
+        return self.resolution
 
     @property
     def model_info(self) -> ModelInfo:
-        assert self.resolved is not None, "resolve_engine_config first (raylm/cluster/engine/config_resolver.py)"
         return self.resolved.model_info
 
     def __post_init__(self) -> None:

@@ -46,8 +46,14 @@ class KVIdentity:
 
 
 def kv_identity(model_path: str, dtype: str, quantization: str) -> KVIdentity:
+    return KVIdentity(*checkpoint_identity(model_path), dtype, quantization)
+
+
+def checkpoint_identity(model_path: str) -> tuple[str, str]:
+    """(the checkpoint's resolved path, its digest): read with the checkpoint's other facts (read_model_info), so
+    that resolution builds the KVIdentity without reading files."""
     path = Path(model_path).resolve()
-    return KVIdentity(str(path), _checkpoint_digest(path), dtype, quantization)
+    return str(path), _checkpoint_digest(path)
 
 
 def _checkpoint_digest(path: Path) -> str:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from raylm.configs.engine_config import ModelConfig
 from raylm.configs.gguf_metadata import is_gguf, read_gguf_config
+from raylm.configs.kv_identity import checkpoint_identity
 from raylm.configs.quant_formats import resolve_checkpoint_quantization
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     num_experts: int = 0  # routed experts per MoE layer; 0 for a dense model
     hf_config: PretrainedConfig | None = None  # transformers' config of the checkpoint, which the model is built from
+    # The checkpoint's resolved path and a digest of its files (configs/kv_identity.py): what its KV identity names.
+    checkpoint: tuple[str, str] = ("", "")
 
     @property
     def is_moe(self) -> bool:
@@ -69,6 +72,7 @@ def read_model_info(model_path: str) -> ModelInfo:
         eos_token_ids=_eos_token_ids(path, hf),
         num_experts=int(text_config.get("num_experts") or text_config.get("num_local_experts") or 0),
         hf_config=hf_config,
+        checkpoint=checkpoint_identity(str(path)),
     )
 
 

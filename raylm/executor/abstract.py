@@ -9,25 +9,27 @@ from typing import Any
 from raylm.common.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
+from raylm.executor.ray_cluster import initialize_ray_cluster
 from raylm.worker.worker import MemoryProfile
 
 
 class Executor(ABC):
     def __init__(self, config: EngineConfig, data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
-        assert config.resolved is not None, "executors run a resolved config (resolve_engine_config)"
         self.config = config
         self.model_info = config.model_info
         self.data_parallel = data_parallel
+        if config.kv_transfer_config.kv_connector is not None:  # the connectors' stores and transfers are Ray's
+            initialize_ray_cluster(config.resolved.num_ray_bundles)
         self._init_executor()
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
-        backend = config.parallel_config.distributed_executor_backend
+        backend = config.resolved.executor_backend
         if backend == "uni":
             from raylm.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
-        assert backend == "ray", f"unknown distributed_executor_backend {backend!r}"
+        assert backend == "ray", f"unknown executor backend {backend!r}"
         from raylm.executor.ray_executor import RayExecutor
 
         return RayExecutor

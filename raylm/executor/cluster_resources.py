@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.placement_group import PlacementGroup
 
+from raylm.configs.bundles import NODE_PREFIX, Bundle, fits, format_resources
 from raylm.configs.envs import RAYLM_PLACEMENT_GROUP_TIMEOUT_S, placement_group_timeout_s
 
 logger = logging.getLogger(__name__)
@@ -26,39 +27,11 @@ def process_cores() -> int:
     """The CPU cores this process may run on (its affinity mask): what a CPU engine's torch threads divide."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
-Bundle = dict[str, float]
+
 _LOG_INTERVAL_S = 10.0
 _MAX_NODES_PER_TYPE = 64  # of one autoscaler node type, when checking where bundles go: more than any engine needs
-_NODE_PREFIX = "node:"  # Ray's per-node resource, used to pin a bundle to a node
 _ADVICE = ("Lower tensor_parallel_size / pipeline_parallel_size / data_parallel_size, or give the cluster more "
            "resources (`ray status` lists them).")
-
-
-@dataclass(frozen=True)
-class EngineBundles:
-    """One engine's placement group: the engine's own bundle first, then its workers', one per device or one per TP
-    group (`workers_per_bundle`, so that Ray keeps each TP group on one node)."""
-
-    engine: Bundle
-    workers: list[Bundle]
-    workers_per_bundle: int = 1
-
-    @property
-    def bundles(self) -> list[Bundle]:
-        return [dict(self.engine), *(dict(bundle) for bundle in self.workers)]
-
-    def describe(self) -> str:
-        """E.g. "the engine's bundle {CPU: 1} + 4 worker bundles {CPU: 1}": the engine needs one bundle more than
-        it has workers."""
-        text = f"the engine's bundle {format_resources(self.engine)}"
-        count = len(self.workers)
-        if count == 0:
-            return text + " (its one worker runs inside the engine)"
-        plural = "s" if count > 1 else ""
-        if self.workers_per_bundle == 1:
-            return text + f" + {count} worker bundle{plural} {format_resources(self.workers[0])}"
-        return (text + f" + {count} bundle{plural} {format_resources(self.workers[0])} of one TP group "
-                       f"({self.workers_per_bundle} workers) each")
 
 
 @dataclass(frozen=True)
@@ -80,34 +53,11 @@ class ClusterCapacity:
         return cls(nodes, totals)
 
 
-def format_resources(resources: Bundle) -> str:
-    shown = {name: amount for name, amount in resources.items() if not name.startswith(_NODE_PREFIX)}
-    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in sorted(shown.items())) + "}"
-
-
 def total_resources(bundles: list[Bundle]) -> Bundle:
     totals: Counter[str] = Counter()
     for bundle in bundles:
         totals.update(bundle)
-    return {name: amount for name, amount in totals.items() if not name.startswith(_NODE_PREFIX)}
-
-
-def fits(bundle: Bundle, free: Bundle) -> bool:
-    return all(amount <= free.get(name, 0.0) + 1e-9 for name, amount in bundle.items())
-
-
-def packs(bundles: list[Bundle], nodes: list[Bundle]) -> bool:
-    """Whether first-fit, pinned and largest bundles first, places every bundle on the nodes: True proves that the
-    bundles fit; False only suggests that they may not."""
-    free = [dict(node) for node in nodes]
-    order = sorted(bundles, key=lambda b: (not any(n.startswith(_NODE_PREFIX) for n in b), -sum(b.values())))
-    for bundle in order:
-        node = next((node for node in free if fits(bundle, node)), None)
-        if node is None:
-            return False
-        for name, amount in bundle.items():
-            node[name] = node.get(name, 0.0) - amount
-    return True
+    return {name: amount for name, amount in totals.items() if not name.startswith(NODE_PREFIX)}
 
 
 def check_fits(bundles: list[Bundle], strategy: str, what: str, capacity: ClusterCapacity | None = None) -> None:
@@ -154,7 +104,7 @@ def wait_until_ready(placement_groups: list[PlacementGroup], what: str) -> None:
 
 
 def _no_node_message(bundle: Bundle, nodes: list[Bundle]) -> str:
-    pins = [name for name in bundle if name.startswith(_NODE_PREFIX)]
+    pins = [name for name in bundle if name.startswith(NODE_PREFIX)]
     if pins and not any(fits({pin: bundle[pin] for pin in pins}, node) for node in nodes):
         return f"no node has the resource {pins[0]} that pins the engine's bundle to the engine's node"
     if pins:

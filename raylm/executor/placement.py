@@ -1,8 +1,8 @@
 """Where an engine's workers run: the Ray cluster, one placement group per engine, and the rank of each worker.
 
-The placement group holds the engine's own bundle first (pinned to the engine's node), then its workers': one bundle
-per TP group when the cluster's nodes can hold them so (Ray keeps a bundle on one node, so no TP group straddles
-nodes), else one per device. Before creating it, raylm checks that the cluster can hold it at all (see
+The placement group holds the engine's own bundle first (pinned to the engine's node), then its workers': the layout
+resolution decided (configs/bundles.py: one bundle per TP group when the cluster's nodes can hold them so, else one
+per device). Before creating it, raylm checks that the cluster can hold it at all (see
 executor/cluster_resources.py). Ranks take whole TP groups node by node, the engine's node first; only the TP groups
 that cannot be whole straddle nodes, with a warning.
 """
@@ -18,25 +18,20 @@ from ray.util.placement_group import PlacementGroup
 from raylm.common.logger import show_info
 from raylm.common.parallel_layout import RankLayout
 from raylm.configs import ParallelConfig
-from raylm.executor.cluster_resources import Bundle, ClusterCapacity, EngineBundles, check_fits, packs, wait_until_ready
+from raylm.configs.bundles import EngineBundles
+from raylm.configs.bundles import engine_bundles as layout_bundles
+from raylm.executor.cluster_resources import ClusterCapacity, check_fits, wait_until_ready
 
 logger = logging.getLogger(__name__)
 
 _LOCALHOST = "127.0.0.1"
-_PIN = 0.001  # of the engine node's `node:<ip>` resource: keeps the engine's bundle on the engine's node
 
 
 def engine_bundles(parallel_config: ParallelConfig, device: str, capacity: ClusterCapacity | None,
-                   num_engines: int = 1, pin: str | None = None) -> EngineBundles:
-    """One engine's bundles, also what a Ray Serve replica passes as placement_group_bundles: a bundle per TP group
-    when `capacity`'s nodes hold all `num_engines` engines laid out so, else a bundle per device."""
-    engine = {"CPU": 1.0, **({pin: _PIN} if pin else {})}
-    tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
-    per_device = EngineBundles(engine, [_device_bundle(device)] * (tp * pp))
-    if tp == 1 or capacity is None:
-        return per_device
-    per_tp_group = EngineBundles(engine, [_device_bundle(device, tp)] * pp, workers_per_bundle=tp)
-    return per_tp_group if packs(per_tp_group.bundles * num_engines, capacity.nodes) else per_device
+                   num_engines: int = 1) -> EngineBundles:
+    """configs/bundles.py's layout on `capacity`'s nodes, for callers outside an engine's resolution (an engine
+    reads its resolved bundle_layout)."""
+    return layout_bundles(parallel_config, device, None if capacity is None else capacity.nodes, num_engines)
 
 
 def describe_engine(layout: EngineBundles, parallel_config: ParallelConfig) -> str:
@@ -48,21 +43,11 @@ def describe_engine(layout: EngineBundles, parallel_config: ParallelConfig) -> s
             f"{layout.describe()}")
 
 
-def _device_bundle(device: str, count: int = 1) -> Bundle:
-    return {"GPU": float(count)} if device == "cuda" else {"CPU": float(count)}
-
-
-def reserve_dp_placement_groups(parallel_config: ParallelConfig, device: str, in_process_worker: bool
-                                ) -> list[PlacementGroup]:
-    """One placement group per DP engine, each laid out by engine_bundles: the engine actor takes bundle 0 and its
-    RayExecutor the rest. An engine whose worker runs in its own process (in_process_worker: one device, the uni
-    executor) needs only its device's bundle."""
+def reserve_dp_placement_groups(parallel_config: ParallelConfig, layout: EngineBundles) -> list[PlacementGroup]:
+    """One placement group per DP engine, each of the resolved `layout`: the engine actor takes bundle 0 and its
+    RayExecutor the rest (an engine whose worker runs in its own process: its device's bundle alone)."""
     num_engines, strategy = parallel_config.data_parallel_size, parallel_config.placement_group_strategy
     capacity = ClusterCapacity.current()
-    if in_process_worker:
-        layout = EngineBundles(_device_bundle(device), [])
-    else:
-        layout = engine_bundles(parallel_config, device, capacity, num_engines)
     what = f"{num_engines} DP engines, each {describe_engine(layout, parallel_config)}"
     check_fits(layout.bundles, strategy, what, capacity)  # the strategy holds within one group
     check_fits(layout.bundles * num_engines, "PACK", what, capacity)
@@ -122,15 +107,15 @@ class PlacementPlan:
         return _LOCALHOST if set(self.node_ids) == {self.engine_node_id} else self.engine_node_ip
 
 
-def create_placement_plan(parallel_config: ParallelConfig, device: str) -> PlacementPlan:
-    """Reserve the engine's bundles (or take the placement group this process already runs in, as a Serve replica or
-    a DP engine does, laid out by engine_bundles) and give every rank its bundle."""
+def create_placement_plan(parallel_config: ParallelConfig, layout: EngineBundles) -> PlacementPlan:
+    """Reserve the engine's resolved bundle `layout` (or take the placement group this process already runs in, as a
+    Serve replica or a DP engine does, laid out alike) and give every rank its bundle."""
     engine_node_id = ray.get_runtime_context().get_node_id()
     node_ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     placement_group = ray.util.get_current_placement_group()
     owned = placement_group is None
     if placement_group is None:
-        placement_group = _reserve(parallel_config, device, f"node:{node_ips[engine_node_id]}")
+        placement_group = _reserve(parallel_config, layout, f"node:{node_ips[engine_node_id]}")
     try:
         bundle_nodes = bundle_node_ids(placement_group)
         device_bundles = _device_bundles(bundle_nodes, parallel_config)
@@ -146,10 +131,12 @@ def create_placement_plan(parallel_config: ParallelConfig, device: str) -> Place
     return plan
 
 
-def _reserve(parallel_config: ParallelConfig, device: str, pin: str) -> PlacementGroup:
-    """The engine's placement group, once ready; ValueError at once if the cluster can never hold it."""
+def _reserve(parallel_config: ParallelConfig, layout: EngineBundles, pin: str) -> PlacementGroup:
+    """The engine's placement group, once ready, its own bundle on this node; ValueError at once if the cluster can
+    never hold it."""
     capacity = ClusterCapacity.current()
-    layout = engine_bundles(parallel_config, device, capacity, pin=pin if pin in capacity.totals else None)
+    if pin in capacity.totals:
+        layout = layout.pinned(pin)
     what = describe_engine(layout, parallel_config)
     strategy = parallel_config.placement_group_strategy
     check_fits(layout.bundles, strategy, what, capacity)
@@ -173,7 +160,7 @@ def _device_bundles(bundle_nodes: dict[int, str], parallel_config: ParallelConfi
         return {b: bundle_nodes[b] for b in range(1, world_size + 1)}
     raise ValueError(f"the placement group has {len(bundle_nodes)} bundles; the engine needs its own bundle and then "
                      f"one per TP group ({pp}) or one per device ({world_size}) (see "
-                     f"raylm.executor.placement.engine_bundles)")
+                     f"raylm.configs.bundles.engine_bundles)")
 
 
 def _log_layout(plan: PlacementPlan, parallel_config: ParallelConfig) -> None:

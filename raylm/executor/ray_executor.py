@@ -45,11 +45,11 @@ class RayExecutor(Executor):
         self.rpc: RpcClient | None = None
         self._closing = threading.Event()
         self._monitor: threading.Thread | None = None
-        initialize_ray_cluster(self.config.resolved.num_ray_bundles)
+        resolved = self.config.resolved
+        initialize_ray_cluster(resolved.num_ray_bundles)  # the executor places workers: it starts Ray if none runs
         try:
-            device = self.config.model_config.device
-            self.plan = create_placement_plan(parallel, device)
-            self._start_workers(device)
+            self.plan = create_placement_plan(parallel, resolved.bundle_layout)
+            self._start_workers(resolved.device)
         except BaseException:
             self.shutdown()
             raise

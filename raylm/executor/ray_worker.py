@@ -49,7 +49,7 @@ class RayWorkerWrapper:
                     num_local_workers: int, data_parallel: DataParallelInfo) -> None:
         """Build the Worker on the device Ray assigned, join the process groups and load the model."""
         local_rank, num_threads = 0, None
-        if config.model_config.device == "cuda":
+        if config.resolved.device == "cuda":
             gpu_ids = ray.get_runtime_context().get_accelerator_ids()["GPU"]
             assert len(gpu_ids) == 1, f"a worker owns one GPU; Ray assigned {gpu_ids}"
             local_rank = cuda_device_index(gpu_ids[0], os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -20,16 +20,14 @@ logger = logging.getLogger(__name__)
 
 
 class BatchPlanner:
-    def __init__(self, dispatcher: CudagraphDispatcher, parallel_config: ParallelConfig,
-                 dp_group: GroupCoordinator) -> None:
+    def __init__(self, dispatcher: CudagraphDispatcher, parallel_config: ParallelConfig, dp_group: GroupCoordinator,
+                 lockstep: bool) -> None:
+        """`lockstep`: the resolved dp_lockstep; then `dp_group` holds every DP engine's rank of this stage."""
         self.dispatcher = dispatcher
         self.parallel_config = parallel_config
         self.dp_group = dp_group
-
-    @property
-    def coordinates(self) -> bool:
-        """Whether each decision is agreed with the other DP ranks (lock-step data parallel)."""
-        return self.dp_group.world_size > 1
+        # Whether each decision is agreed with the other DP ranks (lock-step data parallel).
+        self.coordinates = lockstep
 
     def determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
                                               has_lora: bool = False) -> BatchDescriptor:
@@ -39,7 +37,7 @@ class BatchPlanner:
         the cut is empty anywhere."""
         cudagraph_mode, num_tokens_padded = self.dispatcher.dispatch(num_tokens, uniform_decode, has_lora)
         dp = self.dp_group
-        if dp.world_size == 1:
+        if not self.coordinates:
             return BatchDescriptor(num_tokens, num_tokens_padded, num_reqs, uniform_decode, cudagraph_mode,
                                    has_lora=has_lora)
         wants_ubatch = check_ubatch_thresholds(self.parallel_config, num_tokens, uniform_decode)

@@ -15,7 +15,6 @@ from raylm.runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from raylm.runner.forward_context import set_forward_context
 from raylm.runner.input_buffers import InputBuffers
-from raylm.runner.layers.fused_moe import why_grouped_mm_syncs
 
 
 class CUDAGraphRunner:
@@ -52,26 +51,6 @@ class CUDAGraphRunner:
         self.graphs[num_tokens].replay()
         self.num_replays[num_tokens] += 1
         return self.outputs[num_tokens]
-
-
-def why_no_full_graphs(is_moe: bool, pipeline_parallel: bool, device: torch.device, dtype: torch.dtype,
-                       attn_backend: AttentionBackend, uniform_decode_query_len: int = 1) -> str | None:
-    """Why this model cannot replay as one captured graph (None: it can). On CPU nothing is captured: FULL only pads
-    there (so tests run the padding paths), whatever the attention backend or the experts' matmul. Expert parallel
-    can: a FULL forward exchanges tokens through fixed-capacity buffers (runner/distributed/fixed_capacity.py)."""
-    if is_moe and device.type == "cuda":
-        reason = why_grouped_mm_syncs(device, dtype)
-        if reason is not None:
-            return reason
-    if pipeline_parallel:
-        return "pipeline stages exchange tensors between forwards"
-    if device.type == "cuda" and attn_backend.cudagraph_support == AttentionCGSupport.NEVER:
-        return f"attention backend {attn_backend.name!r} has no fixed-buffer decode"
-    if (device.type == "cuda" and uniform_decode_query_len > 1
-            and attn_backend.cudagraph_support < AttentionCGSupport.UNIFORM_BATCH):
-        return (f"attention backend {attn_backend.name!r} captures one-token decodes only, and speculative decoding's "
-                f"decode batches have {uniform_decode_query_len} tokens per request")
-    return None
 
 
 class DecodeGraphs:

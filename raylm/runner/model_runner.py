@@ -25,7 +25,7 @@ from raylm.runner import cpu_kernels
 from raylm.runner.attention import get_attn_backend
 from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.batch_planner import BatchPlanner, log_batch_execution
-from raylm.runner.cuda_graph import DecodeGraphs, why_no_full_graphs
+from raylm.runner.cuda_graph import DecodeGraphs
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from raylm.runner.forward_context import set_forward_context
 from raylm.runner.forward_counts import CountForwards, ForwardCounts
@@ -74,10 +74,11 @@ class ExecuteModelState:
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         """`config` resolved (its device type is `device`'s; `device` names the index of this worker's)."""
-        model_info = config.model_info
-        assert device.type == config.model_config.device, (device, config.model_config.device)
+        resolved = config.resolved
+        model_info = resolved.model_info
+        assert device.type == resolved.device, (device, resolved.device)
         self.config, self.model_info, self.device = config, model_info, device
-        self.dtype = _TORCH_DTYPES[config.model_config.dtype]
+        self.dtype = _TORCH_DTYPES[resolved.dtype]
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.model_config.max_model_len
         assert self.max_model_len is not None
@@ -86,11 +87,10 @@ class ModelRunner:
         cpu_kernels.set_enabled(config.compilation_config.custom_ops != "none")
 
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks_per_req, model_info.vocab_size)
-        spec = config.speculative_config
-        self.uniform_decode_query_len = 1 if spec is None else 1 + spec.num_speculative_tokens
+        self.uniform_decode_query_len = resolved.uniform_decode_query_len
         self.buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens, self.max_num_reqs,
                                     max_blocks_per_req, self.block_size, device, self.uniform_decode_query_len)
-        self.attn_backend = get_attn_backend(config.cache_config.attention_backend)
+        self.attn_backend = get_attn_backend(resolved.attention_backend)
         self.sampler = Sampler()
         self.sampling_metadata = SamplingMetadataBuilder(model_info.eos_token_ids, device)
         self.prompt_logprobs = PromptLogprobsProcessor(self.max_num_reqs)
@@ -119,18 +119,16 @@ class ModelRunner:
         self.model = load_model(self.model_info.path, self.model_info.hf_config, dtype=self.dtype, device=self.device,
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
                                 partition=self.config.parallel_config.pp_layer_partition,
-                                quantization=self.config.model_config.quantization)
+                                quantization=self.config.resolved.quantization)
         self.model.register_forward_pre_hook(CountForwards(self.counts))
         if self.config.lora_config.enable_lora:
             self.lora_manager = LoRAManager(self.model, self.config.lora_config, self.buffers.max_num_tokens,
                                             self.dtype, self.device)
         if not self.config.compilation_config.enforce_eager:
             stack_layers(self.model)
-        why_not_full = why_no_full_graphs(self.model_info.is_moe, pp.world_size > 1, self.device, self.dtype,
-                                          self.attn_backend, self.uniform_decode_query_len)
-        dispatcher = CudagraphDispatcher(self.config.compilation_config, self.config.scheduler_config,
-                                         self.device.type, why_not_full, self.uniform_decode_query_len)
-        self.planner = BatchPlanner(dispatcher, self.config.parallel_config, get_dp_group())
+        dispatcher = CudagraphDispatcher(self.config.resolved.cudagraph)
+        self.planner = BatchPlanner(dispatcher, self.config.parallel_config, get_dp_group(),
+                                    self.config.resolved.dp_lockstep)
         self.graphs = DecodeGraphs(dispatcher, self.attn_backend, self.buffers, self.device)
         if self.spec_decoder is not None:
             self.spec_decoder.proposer.load_model(self.model)

@@ -53,7 +53,6 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
                  distributed_init_method: str | None = None, num_threads: int | None = None,
                  data_parallel: DataParallelInfo = NO_DATA_PARALLEL) -> None:
-        assert config.resolved is not None, "workers run a resolved config (resolve_engine_config)"
         self.config = config
         self.rank = rank  # within the engine; the global rank adds data_parallel.rank * world_size
         self.data_parallel = data_parallel
@@ -68,7 +67,8 @@ class Worker:
         if self.config.observability_config.trace_file:
             pp, tp = divmod(self.rank, self.config.parallel_config.tensor_parallel_size)
             tracing.enable(f"rank {self.rank} (TP {tp}, PP {pp})", pid=1 + self.rank)
-        kind = self.config.model_config.device
+        resolved = self.config.resolved
+        kind = resolved.device
         if kind == "cuda":
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
@@ -79,6 +79,9 @@ class Worker:
         parallel = self.config.parallel_config
         backend = "nccl" if kind == "cuda" else "gloo"
         dp = self.data_parallel
+        if resolved.dp_lockstep != (dp.size > 1):  # the DP client hands lock-step engines their DP world, and only them
+            raise ValueError(f"dp_lockstep is {resolved.dp_lockstep}, but this worker was given a data-parallel world "
+                             f"of {dp.size}: lock-step engines share one world, the others have their own")
         init_distributed_environment(dp.size * parallel.world_size, dp.rank * parallel.world_size + self.rank,
                                      self.distributed_init_method, backend, store_elsewhere=dp.size > 1)
         init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, dp.size,

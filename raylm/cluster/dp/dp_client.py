@@ -46,15 +46,15 @@ _LOCALHOST = "127.0.0.1"
 
 class DPEngineCoreClient:
     def __init__(self, config: EngineConfig) -> None:
-        assert config.resolved is not None, "DP engines run a resolved config (resolve_engine_config)"
-        initialize_ray_cluster(config.resolved.num_ray_bundles)
+        resolved = config.resolved
+        initialize_ray_cluster(resolved.num_ray_bundles)
         parallel = config.parallel_config
         self.num_engines = parallel.data_parallel_size
-        self.lockstep = config.resolved.dp_lockstep
+        self.lockstep = resolved.dp_lockstep
         self.config = config
-        device = config.model_config.device
-        in_process_worker = parallel.distributed_executor_backend == "uni"
-        self.placement_groups = reserve_dp_placement_groups(parallel, device, in_process_worker)
+        device = resolved.device
+        in_process_worker = resolved.executor_backend == "uni"
+        self.placement_groups = reserve_dp_placement_groups(parallel, resolved.bundle_layout)
         self.actors: list[ray.actor.ActorHandle] = []
         self.names: list[str] = []
         self.run_refs: list[ray.ObjectRef] = []
@@ -102,7 +102,8 @@ class DPEngineCoreClient:
         get_all(init_refs)
         num_blocks = ray.get(init_refs)
         # By load, or by cached prefix within a load threshold (routing_policy); the engines' pools bound the latter.
-        self.balancer = make_dp_balancer(self.config.routing_config, num_blocks, self.config.cache_config.block_size)
+        self.balancer = make_dp_balancer(self.config.resolved.routing_policy, self.config.routing_config, num_blocks,
+                                         self.config.cache_config.block_size)
 
         this_node = ray.get_runtime_context().get_node_id()
         channel = DriverChannel(_LOCALHOST if set(node_ids) == {this_node} else node_ips[this_node],

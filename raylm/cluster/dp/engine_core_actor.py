@@ -75,7 +75,6 @@ class EngineCoreActor:
         if num_threads is not None:  # the engine's own worker computes in this process
             torch.set_num_threads(num_threads)
         self.core = EngineCore(config, data_parallel, engine_index=self.dp_rank)
-        assert config.resolved is not None
         self._lockstep = config.resolved.dp_lockstep
         return self.core.num_blocks
 

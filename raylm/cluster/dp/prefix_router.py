@@ -129,9 +129,10 @@ class PrefixAwareLoadBalancer(DPLoadBalancer):
         self.router.remove(index)
 
 
-def make_dp_balancer(routing_config: RoutingConfig, num_blocks: list[int], block_size: int) -> DPLoadBalancer:
-    """The DP client's balancer for the resolved routing_policy."""
-    if routing_config.routing_policy == "prefix":
+def make_dp_balancer(routing_policy: str, routing_config: RoutingConfig, num_blocks: list[int],
+                     block_size: int) -> DPLoadBalancer:
+    """The DP client's balancer for the resolved routing_policy ("load" or "prefix")."""
+    if routing_policy == "prefix":
         return PrefixAwareLoadBalancer(num_blocks, block_size, routing_config)
-    assert routing_config.routing_policy == "load", f"routing_policy {routing_config.routing_policy!r} is unresolved"
+    assert routing_policy == "load", f"routing_policy {routing_policy!r} is unresolved"
     return DPLoadBalancer(len(num_blocks))

@@ -39,7 +39,6 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, data_parallel: DataParallelInfo = NO_DATA_PARALLEL,
                  engine_index: int = 0) -> None:
-        assert config.resolved is not None, "an engine runs a resolved config (resolve_engine_config)"
         self.config = config
         self.model_info = config.model_info
         self.engine_index = engine_index

@@ -26,7 +26,7 @@ from ray import serve
 from starlette.types import Message
 
 from raylm.cluster.engine.async_llm import AsyncLLM
-from raylm.cluster.engine.config_resolver import decide_device, resolve_routing_policy
+from raylm.cluster.engine.environment import gather_environment
 from raylm.cluster.entrypoints.openai.api_server import build_app as build_fastapi_app
 from raylm.cluster.entrypoints.openai.api_server import model_router
 from raylm.cluster.entrypoints.openai.lora_router import LoRAModelRouter
@@ -39,8 +39,10 @@ from raylm.cluster.serve.serve_handles import LLMServerHandles
 from raylm.cluster.serve.serve_ingress import OpenAIIngress, ingress_options
 from raylm.cluster.serve.serve_router import prefix_router_config
 from raylm.configs import EngineConfig, make_engine_config
+from raylm.configs.environment import EnvironmentFacts
+from raylm.configs.resolve import Deployment, resolve_deployment
 from raylm.executor.cluster_resources import ClusterCapacity, check_fits, process_cores
-from raylm.executor.placement import describe_engine, engine_bundles
+from raylm.executor.placement import describe_engine
 
 # The engine batches and queues requests itself: Serve must not hold them back from a replica.
 _MAX_ONGOING_REQUESTS = 1_000_000
@@ -115,7 +117,8 @@ def build_openai_app(config: EngineConfig) -> serve.Application:
     model_id = served_model_name(config.model_config)
     config = dataclasses.replace(config, model_config=config.model_config.model_copy(
         update={"served_model_name": model_id}))
-    name, options, serving = f"LLMServer:{model_id}", llm_server_options(config), config.serving_config
+    deployment = replica_deployment(config)
+    name, options, serving = f"LLMServer:{model_id}", llm_server_options(config, deployment), config.serving_config
     if config.lora_config.enable_lora:
         if serving.max_replicas > 1 and config.routing_config.routing_policy == "prefix":
             raise ValueError("routing_policy 'prefix' over Serve replicas cannot be combined with enable_lora: the "
@@ -126,7 +129,7 @@ def build_openai_app(config: EngineConfig) -> serve.Application:
         return serve.deployment(LoRAIngress).options(
             name=f"LoRAIngress:{model_id}", max_ongoing_requests=_MAX_ONGOING_REQUESTS,
             ray_actor_options={"num_cpus": 0.5, "runtime_env": _replica_runtime_env()}).bind(server, model_id)
-    if serving.max_replicas == 1 or resolve_routing_policy(config) == "load":
+    if serving.max_replicas == 1 or deployment.routing_policy == "load":
         return serve.deployment(LLMServer).options(name=name, **options).bind(config)
     routed = serve.deployment(LLMEngineServer).options(
         name=name, request_router_config=prefix_router_config(config.routing_config), **options).bind(config)
@@ -135,16 +138,32 @@ def build_openai_app(config: EngineConfig) -> serve.Application:
     ).bind(routed, serving.api_key)
 
 
-def llm_server_options(config: EngineConfig) -> dict[str, Any]:
+def replica_deployment(config: EngineConfig) -> Deployment:
+    """What a replica's engine will decide of its device, executor, bundles and routing (configs/resolve.py's
+    resolve_deployment), from the facts the replica will see: the cluster of this process (when Ray is connected as
+    the app is built), and one GPU in the replica itself where the cluster has GPUs (llm_server_options gives it one
+    when its engine then computes in-process)."""
+    facts = gather_environment(config, kernels=False)
+    return resolve_deployment(config, replica_facts(facts))
+
+
+def replica_facts(builder: EnvironmentFacts) -> EnvironmentFacts:
+    """The environment a replica will see, from the builder's: its cluster, and a GPU of its own where the cluster
+    has any."""
+    return dataclasses.replace(builder, cuda_devices=1 if builder.cluster_gpus else 0)
+
+
+def llm_server_options(config: EngineConfig, deployment: Deployment) -> dict[str, Any]:
     """The replica's deployment options. Its engine's config is resolved in the replica itself; the resources Serve
-    gives the replica (a GPU, the placement group of its workers) follow the resolver's own device rule, asked here
+    gives the replica (a GPU, the placement group of its workers) follow `deployment` (replica_deployment), asked
     only when Ray is connected as the app is built (`serve run module:app` builds first: then the replica asks for no
-    device, and its resolver puts the engine's worker on a GPU actor where the cluster has GPUs)."""
+    device, and its engine puts its worker on a GPU actor where the cluster has GPUs)."""
     serving, parallel = config.serving_config, config.parallel_config
-    device = decide_device(config.model_config, parallel) if ray.is_initialized() else None
-    runs_workers = parallel.world_size > 1 or parallel.distributed_executor_backend == "ray"
-    in_process_device = device == "cuda" and not runs_workers and parallel.data_parallel_size == 1
-    placement = _replica_placement(config, device) if runs_workers and parallel.data_parallel_size == 1 else {}
+    connected = ray.is_initialized()
+    in_process_device = connected and deployment.device == "cuda" and deployment.executor_backend == "uni"
+    in_process_device = in_process_device and parallel.data_parallel_size == 1
+    runs_workers = deployment.executor_backend == "ray" and parallel.data_parallel_size == 1
+    placement = _replica_placement(config, deployment) if connected and runs_workers else {}
     return placement | {
         "autoscaling_config": {
             "min_replicas": serving.min_replicas,
@@ -186,15 +205,11 @@ def _replica_runtime_env() -> dict[str, Any]:
     return job_env | {"env_vars": {**job_env.get("env_vars", {}), **REPLICA_ENV_VARS}}
 
 
-def _replica_placement(config: EngineConfig, device: str | None) -> dict[str, Any]:
+def _replica_placement(config: EngineConfig, deployment: Deployment) -> dict[str, Any]:
     """A replica whose engine runs Ray workers gets its placement group from Serve, so that Serve and the autoscaler
     start a replica only where all of it fits. A group the cluster can never hold fails here, as the app is built,
-    instead of leaving replicas pending. Without a Ray connection yet, the replica's executor reserves and checks a
-    group of its own when it starts."""
-    if device is None:
-        return {}
-    parallel = config.parallel_config
-    capacity = ClusterCapacity.current()
-    layout = engine_bundles(parallel, device, capacity)
-    check_fits(layout.bundles, parallel.placement_group_strategy, describe_engine(layout, parallel), capacity)
+    instead of leaving replicas pending."""
+    parallel, layout = config.parallel_config, deployment.bundle_layout
+    check_fits(layout.bundles, parallel.placement_group_strategy, describe_engine(layout, parallel),
+               ClusterCapacity.current())
     return {"placement_group_bundles": layout.bundles, "placement_group_strategy": parallel.placement_group_strategy}

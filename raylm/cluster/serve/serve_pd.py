@@ -20,9 +20,8 @@ from typing import Any
 
 from ray import serve
 
-from raylm.cluster.engine.config_resolver import resolve_routing_policy
 from raylm.cluster.models.default_model import served_model_name
-from raylm.cluster.serve.app import LLMEngineServer, llm_server_options
+from raylm.cluster.serve.app import LLMEngineServer, llm_server_options, replica_deployment
 from raylm.cluster.serve.serve_ingress import OpenAIIngress, ingress_options
 from raylm.cluster.serve.serve_router import prefix_router_config
 from raylm.configs import EngineConfig, make_engine_config
@@ -54,12 +53,13 @@ def build_pd_openai_app(args: dict[str, Any]) -> serve.Application:
     if prefill.cache_config.block_size != decode.cache_config.block_size:
         raise ValueError(f"block_size: the prefill side's ({prefill.cache_config.block_size}) and the decode side's "
                          f"({decode.cache_config.block_size}) must be equal for the KV to move between them")
-    prefill_options = llm_server_options(prefill)
-    if prefill.serving_config.max_replicas > 1 and resolve_routing_policy(prefill) == "prefix":
+    prefill_deployment = replica_deployment(prefill)
+    prefill_options = llm_server_options(prefill, prefill_deployment)
+    if prefill.serving_config.max_replicas > 1 and prefill_deployment.routing_policy == "prefix":
         prefill_options["request_router_config"] = prefix_router_config(prefill.routing_config)
     prefill_server = serve.deployment(LLMEngineServer).options(name=f"LLMServer:prefill:{model_id}", **prefill_options)
     decode_server = serve.deployment(LLMEngineServer).options(name=f"LLMServer:decode:{model_id}",
-                                                        **llm_server_options(decode))
+                                                        **llm_server_options(decode, replica_deployment(decode)))
     serving = decode.serving_config
     return serve.deployment(OpenAIIngress).options(
         **ingress_options(f"PDProxy:{model_id}", serving.min_replicas, serving.max_replicas)

@@ -1,32 +1,43 @@
 """Attention backends; the runner picks one by name."""
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
 
+from raylm.configs.attention_backends import choose_attention_backend, missing_kernel_message
+from raylm.configs.environment import EnvironmentFacts
 from raylm.runner.attention.backend import AttentionBackend, AttentionMetadata
 from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.attention.cpu_backend import CPUAttentionBackend
 from raylm.runner.attention.flash_attn_backend import FlashAttentionBackend
-from raylm.runner.attention.flash_attn_backend import unavailable_reason as _flash_attn_unavailable
 from raylm.runner.attention.torch_backend import TorchAttentionBackend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "CommonAttentionMetadata", "CPUAttentionBackend",
-           "FlashAttentionBackend", "TorchAttentionBackend", "choose_attn_backend", "get_attn_backend"]
+           "FlashAttentionBackend", "TorchAttentionBackend", "choose_attn_backend", "get_attn_backend",
+           "missing_kernels", "triton_interpret"]
 
 
-def _triton_unavailable(device: torch.device) -> str | None:
-    """Why the triton backend cannot run on `device`, or None when it can."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        return f"the triton package does not import ({e}); install it with pip install 'raylm[triton]'"
-    # Read as Triton reads it; the interpreter runs kernels on CPU tensors, slowly: for tests.
-    interpreting = os.getenv("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-    if device.type != "cuda" and not interpreting:
-        return f"its kernels run on CUDA (device here: {device}), or on CPU only under TRITON_INTERPRET=1"
-    return None
+def missing_kernels(devices: set[str]) -> dict[str, str]:
+    """The attention kernels for `devices` that cannot run in this process -> why (an EnvironmentFacts input: the
+    choice itself is configs/attention_backends.py's). Only those of the given devices are tried: importing triton
+    and building raylm's CPU kernels take seconds."""
+    missing = {}
+    packages = ["flash_attn", "triton"] if "cuda" in devices else ["triton"] if triton_interpret() else []
+    for name in packages:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            missing[name] = missing_kernel_message(name, str(e))
+    if "cpu" in devices and not CPUAttentionBackend.is_available():
+        missing["cpu"] = "its kernels could not be built here (see the warning above)"
+    return missing
+
+
+def triton_interpret() -> bool:
+    """Read as Triton reads it; the interpreter runs kernels on CPU tensors, slowly: for tests."""
+    return os.getenv("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 def _triton_backend() -> AttentionBackend:
@@ -38,44 +49,10 @@ def _triton_backend() -> AttentionBackend:
 
 def choose_attn_backend(name: str, device_type: str, dtype: torch.dtype = torch.float32, block_size: int = 16,
                         custom_ops: bool = True) -> str:
-    """The backend `name` resolves to, checked: "auto" picks the fastest one available for the device, dtype and
-    block_size (`custom_ops` False: raylm's CPU kernels are off); a named one must be able to run. Raises a
-    ValueError naming the setting and why otherwise."""
-    device = torch.device(device_type)
-    cpu_fits = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                and block_size % CPUAttentionBackend.block_size_multiple == 0)
-    if name == "auto":
-        if _flash_attn_unavailable(device, dtype, block_size) is None:
-            return FlashAttentionBackend.name
-        if device.type == "cuda" and _triton_unavailable(device) is None:
-            return "triton"
-        return CPUAttentionBackend.name if cpu_fits and custom_ops and CPUAttentionBackend.is_available() else (
-            TorchAttentionBackend.name)
-    if name == TorchAttentionBackend.name:
-        return name
-    if name == CPUAttentionBackend.name:
-        if not cpu_fits:
-            raise ValueError(f"attention_backend 'cpu' runs float32 or bfloat16 on CPU with block_size a multiple of "
-                             f"{CPUAttentionBackend.block_size_multiple} (here: device {device}, "
-                             f"dtype {dtype}, block_size {block_size}); use 'torch' or 'auto'")
-        if not custom_ops:
-            raise ValueError("attention_backend 'cpu' needs raylm's CPU kernels, which custom_ops='none' turns off")
-        if not CPUAttentionBackend.is_available():
-            raise ValueError("attention_backend 'cpu': its kernels could not be built here (see the warning "
-                             "above); use 'torch' or 'auto'")
-        return name
-    if name == "triton":
-        reason = _triton_unavailable(device)
-        if reason is not None:
-            raise ValueError(f"attention_backend 'triton' is not available: {reason}; use 'torch' or 'auto'")
-        return name
-    if name == FlashAttentionBackend.name:
-        reason = _flash_attn_unavailable(device, dtype, block_size)
-        if reason is not None:
-            raise ValueError(f"attention_backend 'flash_attn' is not available: {reason}; use 'triton', 'torch' or "
-                             f"'auto'")
-        return name
-    raise ValueError(f"unknown attention backend {name!r}; known: 'auto', 'torch', 'cpu', 'triton', 'flash_attn'")
+    """configs/attention_backends.py's choice for this process's kernels (tests and scripts outside an engine)."""
+    device = torch.device(device_type).type
+    env = EnvironmentFacts(missing_kernels=missing_kernels({device}), triton_interpret=triton_interpret())
+    return choose_attention_backend(name, device, str(dtype).removeprefix("torch."), block_size, custom_ops, env)
 
 
 def get_attn_backend(name: str) -> AttentionBackend:

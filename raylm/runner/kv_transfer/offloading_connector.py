@@ -108,10 +108,9 @@ class OffloadingConnector(KVConnectorBase):
         self.store = node_kv_store(self.node_id)
         self.capacity_bytes = ray.get(self.store.ensure_capacity.remote(int(size * _GIB)))
         resolved = self.config.resolved
-        assert resolved is not None and resolved.kv_identity is not None, "resolve_engine_config first"
         shapes = [tuple(layer.shape[2:]) for layer in self.layers]
         self.namespace = hashlib.sha256(repr((resolved.kv_identity.digest, self.block_size, shapes,
-                                              self.config.cache_config.attention_backend)).encode()).hexdigest()[:16]
+                                              resolved.attention_backend)).encode()).hexdigest()[:16]
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="raylm-kv-offload")
         self._loader = ThreadPoolExecutor(2, thread_name_prefix="raylm-kv-load")
         self._lock = threading.Condition()

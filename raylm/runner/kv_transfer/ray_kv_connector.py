@@ -57,7 +57,6 @@ class RayKVConnector(KVConnectorBase):
         self.timeout_s = config.kv_transfer_config.kv_transfer_timeout_s
         self.transport = config.kv_transfer_config.kv_transport
         self.num_layers = config.model_info.num_hidden_layers
-        assert config.resolved.kv_identity is not None, "resolve_engine_config first"
         self.identity = config.resolved.kv_identity
         if role == KVConnectorRole.SCHEDULER:
             self.engine_id = uuid.uuid4().hex

@@ -39,7 +39,7 @@ class SpecStepOutput:
 def make_proposer(config: EngineConfig, attn_backend: AttentionBackend, dtype: torch.dtype,
                   device: torch.device) -> Proposer:
     spec = config.speculative_config
-    assert spec is not None and config.resolved is not None
+    assert spec is not None
     if spec.method == "ngram":
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None, "resolve the config first"
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

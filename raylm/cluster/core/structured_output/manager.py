@@ -34,14 +34,12 @@ _WORD_BITS = 32
 
 class StructuredOutputManager:
     def __init__(self, engine_config: EngineConfig, num_compile_threads: int = 2) -> None:
-        assert engine_config.resolved is not None, "the manager reads a resolved config"
         self.config = engine_config.structured_outputs_config
         self.model_info = model_info = engine_config.model_info
         self.tokenizer_name = engine_config.model_config.tokenizer
         self.backends = engine_config.resolved.structured_outputs_backends
-        spec = engine_config.speculative_config
         # A request with k drafts samples k + 1 positions, each with its own row.
-        max_rows = engine_config.scheduler_config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        max_rows = engine_config.scheduler_config.max_num_seqs * engine_config.resolved.uniform_decode_query_len
         self.executor = ThreadPoolExecutor(num_compile_threads, thread_name_prefix="raylm-grammar")
         self._compiled: OrderedDict[tuple[Any, ...], Future[CompiledGrammar]] = OrderedDict()
         self._backends: dict[str, StructuredOutputBackend] = {}
