@@ -1,5 +1,5 @@
-"""The `raylm` command: `generate` offline, `serve` the OpenAI API (on Ray Serve, or in this process), `bench serve`
-a running server."""
+"""The `raylm` command: `generate` offline, `serve` the OpenAI API (on Ray Serve, or in this process), `run-batch` an
+OpenAI Batch file, `bench serve` a running server."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(serve)
     serve.add_argument("--trace", dest="trace_file", default=None, help="same as --trace-file")
 
+    from raylm.cluster.batch import run_batch
+
+    run_batch.add_arguments(commands.add_parser(
+        "run-batch", help="answer an OpenAI Batch file (JSONL): one engine here, or a Ray Data pool (--concurrency)"),
+        CONFIG_HELP)
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     from raylm.cluster.tools import serving_benchmark
@@ -52,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return serving_benchmark.run(args)
+        if args.command == "run-batch":
+            return run_batch.run(args)
         return _serve(args) if args.command == "serve" else _generate(args)
     except (ValueError, TimeoutError) as err:  # bad settings; a cluster that cannot (or did not) make room
         print(f"raylm: error: {err}", file=sys.stderr)
