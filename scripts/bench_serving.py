@@ -79,13 +79,14 @@ def start_server(args: argparse.Namespace, server_name: str) -> tuple[subprocess
     return launch_server(command, env, port)
 
 
-def launch_server(command: list[str], env: dict[str, str], port: int,
-                  new_session: bool = False) -> tuple[subprocess.Popen, str]:
-    """Starts `command` (a server on `port`) and waits for its /health; returns it and its OpenAI base URL.
-    `new_session`: in a process group of its own, which a caller can pause and resume as a whole (os.killpg)."""
+def launch_server(command: list[str], env: dict[str, str], port: int, new_session: bool = False,
+                  timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """Starts `command` (a server on `port`) and waits up to `timeout` seconds for its /health; returns it and its
+    OpenAI base URL. `new_session`: in a process group of its own, which a caller can pause and resume as a whole
+    (os.killpg)."""
     server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, env=env,
                               start_new_session=new_session)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):

