@@ -10,6 +10,7 @@ sort over the vocabulary), penalties, and vLLM's default maximum of logprobs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,10 @@ from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.input_buffers import InputBuffers
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_metadata import SamplingMetadata
+
+if TYPE_CHECKING:
+    from raylm.runner.layers.attention import Attention
+    from raylm.runner.models.llama import LlamaForCausalLM
 
 # vLLM's default max_logprobs: the logprobs a request asks for at most, in the sampler's profile.
 PROFILE_NUM_LOGPROBS = 20
@@ -35,7 +40,7 @@ class ProfileRun:
         self.dtype, self.max_model_len = dtype, max_model_len
 
     @torch.inference_mode()
-    def run(self, model: torch.nn.Module, layers: list[torch.nn.Module], forward: Forward,
+    def run(self, model: LlamaForCausalLM, layers: list[Attention], forward: Forward,
             is_last_stage: bool) -> int:
         """The max-size forward (through the runner's `forward`, the one caller of the model) and sampler step;
         returns the bytes of the scratch KV cache it held (the caller's peak includes them, an activation peak must
@@ -43,7 +48,7 @@ class ProfileRun:
         assert all(layer.kv_cache.numel() == 0 for layer in layers), "the profile run comes before the KV cache"
         buffers = self.buffers
         common = buffers.prepare_profile(buffers.max_num_tokens, self.max_model_len)
-        scratch = {}
+        scratch: dict[tuple[int, ...], torch.Tensor] = {}
         for layer in layers:  # layers alike share one scratch: the profile reads zeros and writes nothing
             shape = self.attn_backend.get_kv_cache_shape(buffers.max_blocks_per_req, buffers.block_size,
                                                          layer.num_kv_heads, layer.head_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from raylm.runner.group_coordinator import GroupCoordinator
 from raylm.runner.layers.activation import SiluAndMul
 from raylm.runner.layers.linear import set_weight_loader
 from raylm.runner.parallel_state import get_ep_group, get_tp_group
+
+if TYPE_CHECKING:
+    from raylm.runner.layers.quantization.ggml_blocks import QuantizedTensor
 
 # An expert's checkpoint weight: per expert (`.experts.3.w1.weight`), or all experts fused in one tensor
 # (`.experts.gate_up_proj` [E, 2I, H], `.experts.down_proj` [E, H, I]: transformers 5's layout in memory, written
@@ -194,8 +198,9 @@ class FusedMoE(nn.Module):
                 f"intermediate={self.intermediate_size_per_partition}, expert_parallel={self.use_ep}")
 
 
-def expand_expert_weights(weights: Iterable[tuple[str, torch.Tensor]], num_experts: int, gate_proj: str,
-                          down_proj: str, up_proj: str) -> Iterator[tuple[str, torch.Tensor]]:
+def expand_expert_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], num_experts: int,
+                          gate_proj: str, down_proj: str, up_proj: str
+                          ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Pass checkpoint weights through, with every expert weight in the per-expert layout: fused gate_up_proj /
     down_proj tensors are split per expert. An expert weight of an unknown name or expert id raises ValueError."""
     names = (gate_proj, down_proj, up_proj)
@@ -218,6 +223,7 @@ def expand_expert_weights(weights: Iterable[tuple[str, torch.Tensor]], num_exper
                                  f"{num_experts} experts")
             yield name, tensor
             continue
+        assert isinstance(tensor, torch.Tensor)  # packed blocks (QuantizedTensor) are a linear's `.weight` only
         if tensor.dim() != 3 or tensor.shape[0] != num_experts:
             raise ValueError(f"checkpoint weight {name!r} of shape {tuple(tensor.shape)}: expected "
                              f"[{num_experts}, ...] for the config's {num_experts} experts")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
 
 from raylm.common.lora_request import LoRARequest
 from raylm.configs.engine_config import LoRAConfig
@@ -23,11 +23,14 @@ from raylm.runner.lora.layers import LoRASlots
 from raylm.runner.lora.peft_checkpoint import LoRAModel, load_lora_model
 from raylm.runner.lora.punica import PunicaWrapper
 
+if TYPE_CHECKING:
+    from raylm.runner.models.llama import LlamaForCausalLM
+
 logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, lora_config: LoRAConfig, max_num_tokens: int, dtype: torch.dtype,
+    def __init__(self, model: LlamaForCausalLM, lora_config: LoRAConfig, max_num_tokens: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         assert lora_config.max_cpu_loras is not None, "a resolved LoRAConfig decides max_cpu_loras"
         self.max_loras, self.max_rank = lora_config.max_loras, lora_config.max_lora_rank

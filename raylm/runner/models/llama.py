@@ -18,6 +18,7 @@ from raylm.runner.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    WeightLoader,
     default_weight_loader,
 )
 from raylm.runner.layers.rotary_embedding import get_rope
@@ -32,6 +33,8 @@ from raylm.runner.models.utils import (
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from raylm.runner.layers.quantization.ggml_blocks import QuantizedTensor
 
 
 
@@ -213,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
     def _expected_shards(self, param_name: str, mapping: list[tuple[str, str, ShardId]]) -> set[ShardId]:
         return {shard for part, _, shard in mapping if part in param_name} or {None}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> set[str]:
         """Load full checkpoint tensors (each TP rank keeps its shard); weights of modules another pipeline
         stage owns are skipped. Returns the parameter names loaded completely (every shard of a packed one)."""
         params = dict(self.named_parameters())
@@ -233,6 +236,8 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint weight {name!r} matches no parameter of {type(self).__name__}")
             param = params[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, loaded_weight, shard_id)
+            # A packed layer's loader takes packed blocks (QuantizedTensor); the default one, float tensors.
+            weight_loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
+            weight_loader(param, loaded_weight, shard_id)
             loaded[name].add(shard_id)
         return {name for name, shards in loaded.items() if shards == self._expected_shards(name, mapping)}

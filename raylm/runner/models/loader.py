@@ -18,7 +18,9 @@ from raylm.runner.layers.cpu_gemm import plan_linears
 from raylm.runner.layers.quantization import get_quantization_config
 from raylm.runner.layers.quantization.base_config import set_quant_config
 from raylm.runner.layers.quantization.block_quant import BlockQuantMethod
+from raylm.runner.layers.quantization.ggml_blocks import QuantizedTensor
 from raylm.runner.models.gguf_weights import iterate_gguf_weights
+from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.models.quantized_weights import iterate_quantized_weights
 from raylm.runner.models.registry import get_model_cls
 from raylm.runner.models.utils import pp_missing_prefixes
@@ -60,7 +62,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def checkpoint_weights(model: nn.Module, model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(model: LlamaForCausalLM, model_path: str | Path
+                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """The checkpoint's weights for `model`'s pipeline stage: safetensors, or a GGUF file's tensors (packed blocks
     for the layers that keep them)."""
     prefixes = pp_missing_prefixes(model)
@@ -75,7 +78,7 @@ def checkpoint_weights(model: nn.Module, model_path: str | Path) -> Iterator[tup
 def packed_checkpoint_names(model: nn.Module) -> set[str]:
     """Checkpoint names of the weights that load into block-quantized layers (a fused layer's parts by name)."""
     parts = getattr(model, "packed_modules_mapping", {})
-    names = set()
+    names: set[str] = set()
     for prefix, module in model.named_modules():
         if isinstance(getattr(module, "quant_method", None), BlockQuantMethod):
             head, _, last = prefix.rpartition(".")
@@ -85,7 +88,7 @@ def packed_checkpoint_names(model: nn.Module) -> set[str]:
 
 def load_model(model_path: str | Path, hf_config: PretrainedConfig, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", pp_rank: int = 0, pp_size: int = 1,
-               partition: list[int] | None = None, quantization: str = "none") -> nn.Module:
+               partition: list[int] | None = None, quantization: str = "none") -> LlamaForCausalLM:
     """The model of pipeline stage `pp_rank` (TP sharding from runner.parallel_state), built from `hf_config` (the
     checkpoint's config, read once with the engine's ModelInfo), weights loaded, in eval mode. `quantization`: the
     resolved setting (none, int8, int4 or gguf; config_resolver decides it). Raises if the checkpoint lacks a weight
@@ -100,13 +103,14 @@ def load_model(model_path: str | Path, hf_config: PretrainedConfig, dtype: torch
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {model_path} lacks weights for {type(model).__name__}: {shown}")
     for module in model.modules():
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
+        process = getattr(module, "process_weights_after_loading", None)
+        if process is not None:
+            process()
     if torch.device(device).type == "cpu":
         plan_linears(model)
     return model.eval()
 
 
-def reload_weights(model: nn.Module, model_path: str | Path) -> None:
+def reload_weights(model: LlamaForCausalLM, model_path: str | Path) -> None:
     """Load the checkpoint's weights again into `model`'s allocated parameters (sleep level 2's wake-up)."""
     model.load_weights(checkpoint_weights(model, model_path))

@@ -13,6 +13,8 @@ from raylm.runner.models.llama import LlamaDecoderLayer, LlamaForCausalLM, Shard
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from raylm.runner.layers.quantization.ggml_blocks import QuantizedTensor
+
 
 class MixtralMoE(nn.Module):
     """Router (a replicated linear layer) and the routed experts."""
@@ -54,7 +56,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def get_expert_mapping(self) -> list[tuple[str, str, ShardId]]:
         return FusedMoE.make_expert_params_mapping(self.num_experts, *self.expert_names)  # type: ignore[return-value]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> set[str]:
         # Our MoE block is `mlp` (transformers 5's in-memory name); Mixtral checkpoints call it `block_sparse_moe`.
         renamed = ((name.replace(".block_sparse_moe.", ".mlp."), tensor) for name, tensor in weights)
         return super().load_weights(expand_expert_weights(renamed, self.num_experts, *self.expert_names))

@@ -22,6 +22,7 @@ from raylm.runner.forward_context import set_forward_context
 from raylm.runner.input_batch import InputBatch
 from raylm.runner.input_buffers import InputBuffers
 from raylm.runner.layers.attention import Attention
+from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.models.loader import load_model
 from raylm.runner.sampler import apply_top_k_top_p_min_p, argmax_rows, gumbel_max_sample
 from raylm.runner.sampling_metadata import SamplingMetadata
@@ -43,7 +44,7 @@ class DraftModelProposer(Proposer):
         # A catch-up covers the step's tokens less the rejected drafts, plus each request's new last token.
         self.buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens + max_num_reqs, max_num_reqs,
                                     -(-max_model_len // block_size), block_size, device)
-        self.model: torch.nn.Module | None = None
+        self.model: LlamaForCausalLM | None = None
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         assert self.draft.hf_config is not None
