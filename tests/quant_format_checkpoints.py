@@ -85,18 +85,10 @@ def write_gptq(src: Path, out: Path, desc_act: bool, sym: bool, group_size: int 
     return out
 
 
-def load_gptq_reference(path: Path) -> torch.nn.Module:
-    """The GPTQ checkpoint as GPTQModel runs it on CPU (its torch kernel): transformers 5 loads GPTQ through optimum,
-    which has no CPU build of its kernels here, so GPTQModel itself is the reference."""
-    from gptqmodel import BACKEND, GPTQModel
-
-    return GPTQModel.load(str(path), device="cpu", backend=BACKEND.TORCH).model.float().eval()
-
-
 @torch.inference_mode()
 def greedy(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int
            ) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """tests/reference.hf_greedy on a model already loaded (a format's own runtime)."""
+    """tests/reference.hf_greedy on a model already loaded (with a quantization config of its own)."""
     from tests.reference import TOP_K
 
     results = []
@@ -119,7 +111,8 @@ def _awq_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 def write_awq(src: Path, out: Path, group_size: int = 32) -> Path:
     """`src` in AWQ's GEMM layout, packed by GPTQModel's AWQ packer (AwqTorchLinear.pack) from round-to-nearest
-    asymmetric group scales: GPTQModel's AWQ search itself needs CUDA, and the layout is what raylm reads."""
+    asymmetric group scales: GPTQModel's AWQ search (which also rescales the float weights) needs CUDA; the packed
+    layout, which is what raylm reads, is the same."""
     import json
 
     from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
@@ -152,18 +145,3 @@ def write_awq(src: Path, out: Path, group_size: int = 32) -> Path:
             (out / name).write_bytes((src / name).read_bytes())
     return out
 
-
-def load_awq_reference(src: Path, path: Path, group_size: int = 32) -> torch.nn.Module:
-    """transformers' float model with every AWQ linear dequantized by GPTQModel's AWQ `dequantize_gemm` (transformers
-    5 runs AWQ through GPTQModel's CUDA kernels only)."""
-    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
-    from safetensors.torch import load_file
-
-    state = load_file(str(path / "model.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    with torch.no_grad():
-        for name, linear in _awq_linears(model).items():
-            weight = dequantize_gemm(state[f"{name}.qweight"], state[f"{name}.qzeros"], state[f"{name}.scales"], 4,
-                                     group_size)
-            linear.weight.copy_(weight.float().t())
-    return model.eval()
