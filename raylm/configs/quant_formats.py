@@ -50,7 +50,7 @@ class CheckpointQuant:
         return ", ".join(parts)
 
 
-def quantization_config(hf_config: Any) -> dict | None:
+def quantization_config(hf_config: Any) -> dict[str, Any] | None:
     """config.json's `quantization_config` (transformers may keep it as a dict or as its own config object)."""
     config = getattr(hf_config, "quantization_config", None)
     if config is None:
@@ -114,7 +114,7 @@ def _group_size(field: str, value: Any) -> int | None:
     return int(value)
 
 
-def _compressed_tensors(config: dict) -> CheckpointQuant:
+def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuant:
     for field in ("kv_cache_scheme", "transform_config"):
         if config.get(field):
             raise ValueError(f"quantization_config.{field}: raylm runs no {field.removesuffix('_config')} of "
@@ -131,7 +131,7 @@ def _compressed_tensors(config: dict) -> CheckpointQuant:
     return schemes.pop()
 
 
-def _ct_scheme(name: str, group: dict, default_format: str | None) -> CheckpointQuant:
+def _ct_scheme(name: str, group: dict[str, Any], default_format: str | None) -> CheckpointQuant:
     where = f"quantization_config.config_groups.{name}"
     fmt = group.get("format") or default_format
     if fmt not in _CT_FORMATS:
@@ -141,7 +141,7 @@ def _ct_scheme(name: str, group: dict, default_format: str | None) -> Checkpoint
     if any(t in ("Embedding", "MoE") or "embed" in t for t in targets):
         raise ValueError(f"{where}.targets {targets}: raylm quantizes linear layers only (not embeddings)")
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
-    bits, kind, strategy = int(weights.get("num_bits", 0)), weights.get("type"), weights.get("strategy")
+    bits, kind, strategy = int(weights.get("num_bits", 0)), str(weights.get("type")), str(weights.get("strategy"))
     symmetric = bool(weights.get("symmetric", True))
     layout = _CT_FORMATS[fmt]
     if group.get("output_activations"):
@@ -167,7 +167,7 @@ def _ct_scheme(name: str, group: dict, default_format: str | None) -> Checkpoint
                            _ct_activations(where, inputs, layout))
 
 
-def _ct_activations(where: str, inputs: dict | None, layout: str) -> str | None:
+def _ct_activations(where: str, inputs: dict[str, Any] | None, layout: str) -> str | None:
     if not inputs:
         return None
     kind, bits = inputs.get("type"), int(inputs.get("num_bits", 0))
@@ -180,7 +180,7 @@ def _ct_activations(where: str, inputs: dict | None, layout: str) -> str | None:
     return "int8" if kind == "int" else "fp8"
 
 
-def _gptq(config: dict) -> CheckpointQuant:
+def _gptq(config: dict[str, Any]) -> CheckpointQuant:
     bits, sym = int(config.get("bits", 0)), bool(config.get("sym", True))
     layout = str(config.get("checkpoint_format") or config.get("format") or "gptq").lower()
     if layout not in ("gptq", "gptq_v2"):
@@ -197,7 +197,7 @@ def _gptq(config: dict) -> CheckpointQuant:
                            bool(config.get("desc_act")), None)
 
 
-def _awq(config: dict) -> CheckpointQuant:
+def _awq(config: dict[str, Any]) -> CheckpointQuant:
     version = str(config.get("version") or config.get("format") or "gemm").lower()
     bits = int(config.get("bits", config.get("w_bit", 0)))
     if version != "gemm":

@@ -23,7 +23,10 @@ def get_quantization_config(method: str, hf_config: PretrainedConfig) -> Quantiz
     if method in CHECKPOINT_FORMATS:  # a checkpoint quantized as shipped: its config.json's scheme
         from raylm.runner.layers.quantization.checkpoint_formats import CheckpointQuantConfig
 
-        return CheckpointQuantConfig(read_checkpoint_quant(hf_config))
+        quant = read_checkpoint_quant(hf_config)
+        if quant is None:
+            raise ValueError(f"quantization {method!r}: the checkpoint has no quantization_config")
+        return CheckpointQuantConfig(quant)
     from raylm.runner.layers.quantization.block_quant import BlockQuantConfig
 
     return BlockQuantConfig(method, bool(getattr(hf_config, "tie_word_embeddings", False)))

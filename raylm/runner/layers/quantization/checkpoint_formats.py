@@ -45,11 +45,6 @@ class CheckpointQuantMethod(BlockQuantMethod):
         super().__init__(None)
         self.quant = quant
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_size_per_partition: int,
-                       weight_loader: WeightLoader) -> None:
-        super().create_weights(layer, input_size_per_partition, output_size_per_partition, weight_loader)
-        layer.input_perm = None
-
     def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor,
                     shard_id: object, weight_loader: WeightLoader) -> None:
         """As BlockQuantMethod's, keeping the input permutation of the first part of a fused layer: the others share
@@ -58,7 +53,7 @@ class CheckpointQuantMethod(BlockQuantMethod):
         perm = None if perm is None else perm.to(param.device)
         if param.numel() == 0:
             layer.input_perm = perm
-        elif not _same_order(perm, layer.input_perm):
+        elif not _same_order(perm, getattr(layer, "input_perm", None)):
             name = loaded.name if isinstance(loaded, QuantizedTensor) else "a float checkpoint tensor"
             raise ValueError(f"quantization {self.quant.method!r}: checkpoint tensor {name} orders its input "
                              "channels (g_idx) unlike the other parts of its fused layer, which share their input; "
@@ -66,8 +61,9 @@ class CheckpointQuantMethod(BlockQuantMethod):
         super().load_weight(layer, param, loaded, shard_id, weight_loader)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.input_perm is not None:
-            x = x.index_select(-1, layer.input_perm)
+        perm = getattr(layer, "input_perm", None)  # set by the first loaded part (None: input order)
+        if perm is not None:
+            x = x.index_select(-1, perm)
         if self.quant.activations is not None:
             x = quantize_activations(x, self.quant.activations)
         return super().apply(layer, x, bias)
