@@ -9,6 +9,9 @@ float32 computes the very values bfloat16 stores (a bfloat16 checkpoint upcast),
 weights.
 
     python scripts/bench_cpu_dtypes.py --model DIR [--runs 3] [--num-requests 48]
+
+A GGUF file (`--model FILE.gguf`, e.g. the default SmolLM2 Q4_1) runs at its default quantization (`gguf`: the
+blocks kept), in float32 (what `dtype: auto` chose for it until bfloat16 computed quantized models) and bfloat16.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from raylm.configs.gguf_metadata import is_gguf, read_gguf_config  # noqa: E402
 from scripts.bench_common import machine_line, make_workload, vocab_size  # noqa: E402
 from scripts.bench_offline import ENGINE_SETTINGS, EngineProcess  # noqa: E402
 
@@ -40,8 +44,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
 
-    prompts, output_lens = make_workload(args.num_requests, args.input_len, args.output_len,
-                                         vocab_size(Path(args.model)), args.seed)
+    model = Path(args.model)
+    vocab = read_gguf_config(model).vocab_size if is_gguf(model) else vocab_size(model)
+    prompts, output_lens = make_workload(args.num_requests, args.input_len, args.output_len, vocab, args.seed)
     before = machine_line()
     print(f"before: {before}", flush=True)
     times: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}

@@ -1,14 +1,17 @@
 """Weight-only quantized matmul kernels on CPU, side by side on one model's weight shapes: float32 F.linear, torch's own
 weight-only ops (`_weight_int8pack_mm`: int8, one scale per output channel; `_weight_int4pack_mm_for_cpu`: 4-bit
 groups of 32 with a scale and a zero, fed float32 or bfloat16 activations), raylm's block kernels (Q8_0, Q4_1) and
-the float kernels a quantized layer's GEMM plan weighs against them (runner/layers/cpu_gemm.py): oneDNN and the
-skinny kernel on a float32 copy of the dequantized weight (the same kernels a float32 model plans among), and on a
-bfloat16 copy with x cast to bfloat16 and back (what float32 activations would pay for it; not used by raylm).
+the float kernels a quantized layer's GEMM plan weighs against them (runner/layers/cpu_gemm.py): sgemm, oneDNN and the
+skinny kernel on a dequantized copy, float32 for float32 activations, bfloat16 for bfloat16 ones (`dtype: auto` for a
+quantized model on a CPU with bfloat16 dot products), where the block kernel takes x upcast and rounds its result.
 A summary follows: per batch, each quantized layer against float32 (best of sgemm, oneDNN, skinny): the block kernel
-alone (raylm before its plan took quantized layers) and planned (the faster of the block kernel and float32's).
+alone (raylm before its plan took quantized layers), planned in float32 (the faster of the block kernel and float32's
+kernels on a float32 copy) and planned in bfloat16 (the faster of the block kernel and bfloat16's on a bfloat16 copy).
 
 Each kernel cycles through enough copies of its weights to overflow the CPU caches (as a decode step streams every
-layer's weights from memory), the kernels' calls interleave, and each figure is the median of the rounds. torch's int4
+layer's weights from memory), the kernels' calls interleave, and each figure is the median of the rounds, or with
+`--best` the fastest round (as the plan itself times: on a machine shared with other work, a round that lost its core
+to a neighbour is noise, not the kernel). torch's int4
 op runs Q4_1's exact numbers (zero = m + 8 d); its int8 op needs per-channel scales, so it gets its own quantization.
 
     python scripts/bench_quant_kernels.py [--shapes smollm2|100m] [--rows 1 8 32 64] [--rounds 15] [--no-torch]
@@ -32,11 +35,12 @@ from raylm.runner.layers.quantization import kernels  # noqa: E402
 from raylm.runner.layers.quantization.ggml_blocks import Q4_1, Q8_0, dequantize, quantize  # noqa: E402
 from scripts.bench_common import machine_line  # noqa: E402
 
-# (name, out_features, in_features): the fused layers as raylm runs them.
+# (name, out_features, in_features, layers of that shape in the model): the fused layers as raylm runs them.
 SHAPES = {
-    "smollm2": [("qkv_proj", 960, 576), ("o_proj", 576, 576), ("gate_up_proj", 3072, 576), ("down_proj", 576, 1536),
-                ("lm_head", 49152, 576)],
-    "100m": [("qkv_proj", 1280, 768), ("o_proj", 768, 768), ("gate_up_proj", 6144, 768), ("down_proj", 768, 3072)],
+    "smollm2": [("qkv_proj", 960, 576, 30), ("o_proj", 576, 576, 30), ("gate_up_proj", 3072, 576, 30),
+                ("down_proj", 576, 1536, 30), ("lm_head", 49152, 576, 1)],
+    "100m": [("qkv_proj", 1280, 768, 12), ("o_proj", 768, 768, 12), ("gate_up_proj", 6144, 768, 12),
+             ("down_proj", 768, 3072, 12)],
 }
 _STREAM_BYTES = 256 << 20  # float32 weight copies per shape: past any last-level cache here
 
@@ -52,8 +56,9 @@ def _torch_int4(packed_q4_1: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor
 
 
 def kernels_for_shape(n: int, k: int, copies: int,
-                      with_torch: bool) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
-    """name -> call(x, copy index), each checked against its dequantize-then-matmul on one input first."""
+                      with_torch: bool) -> dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]]:
+    """name -> call(x in float32, the same x in bfloat16, copy index), each checked against its
+    dequantize-then-matmul on one input first. Names starting "bf16" take bfloat16 activations and give bfloat16."""
     floats = [torch.randn(n, k) * 0.05 for _ in range(copies)]
     ops = cpu_kernels.load()
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in floats]
@@ -67,65 +72,74 @@ def kernels_for_shape(n: int, k: int, copies: int,
     int8 = [torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8) for w, s in zip(floats, scales)]
     int4 = [_torch_int4(p, n, k) for p in q4]
     int4_bf16 = [(p, sz.bfloat16()) for p, sz in int4]
-    calls: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-        "float32": lambda x, i: F.linear(x, floats[i]),
-        "float32 onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
-        "float32 skinny": lambda x, i: ops.skinny_linear(x, skinny[i], n, None),
-        "bf16 copy onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(
-            x.bfloat16(), onednn_bf16[i], None, "none", [], "").float(),
-        "bf16 copy skinny": lambda x, i: ops.skinny_linear(x.bfloat16(), skinny_bf16[i], n, None).float(),
-        "torch int8": lambda x, i: torch.ops.aten._weight_int8pack_mm(x, int8[i], scales[i]),
-        "torch int4": lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[i][0], 32, int4[i][1]),
-        "torch int4 bf16": lambda x, i: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.bfloat16(), int4_bf16[i][0], 32, int4_bf16[i][1]),
-        "raylm Q8_0": lambda x, i: kernels.block_linear(x, q8[i], Q8_0, None),
-        "raylm Q4_1": lambda x, i: kernels.block_linear(x, q4[i], Q4_1, None),
+    Call = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    calls: dict[str, Call] = {
+        "float32": lambda x, xb, i: F.linear(x, floats[i]),
+        "float32 onednn": lambda x, xb, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
+        "float32 skinny": lambda x, xb, i: ops.skinny_linear(x, skinny[i], n, None),
+        "bf16 sgemm": lambda x, xb, i: F.linear(xb, bf16[i]),
+        "bf16 onednn": lambda x, xb, i: torch.ops.mkldnn._linear_pointwise(xb, onednn_bf16[i], None, "none", [], ""),
+        "bf16 skinny": lambda x, xb, i: ops.skinny_linear(xb, skinny_bf16[i], n, None),
+        "torch int8": lambda x, xb, i: torch.ops.aten._weight_int8pack_mm(x, int8[i], scales[i]),
+        "torch int4": lambda x, xb, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[i][0], 32, int4[i][1]),
+        "torch int4 bf16": lambda x, xb, i: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb, int4_bf16[i][0], 32, int4_bf16[i][1]),
+        "raylm Q8_0": lambda x, xb, i: kernels.block_linear(x, q8[i], Q8_0, None),
+        "raylm Q4_1": lambda x, xb, i: kernels.block_linear(x, q4[i], Q4_1, None),
+        # The block kernels as a bfloat16 model's plan calls them (block_quant: x upcast, the result rounded).
+        "bf16 raylm Q8_0": lambda x, xb, i: kernels.block_linear(xb.float(), q8[i], Q8_0, None).bfloat16(),
+        "bf16 raylm Q4_1": lambda x, xb, i: kernels.block_linear(xb.float(), q4[i], Q4_1, None).bfloat16(),
     }
     if not with_torch:
-        calls = {name: call for name, call in calls.items() if not name.startswith("torch")}
-    references = {"float32": floats[0], "float32 onednn": floats[0], "float32 skinny": floats[0],
-                  "bf16 copy onednn": floats[0], "bf16 copy skinny": floats[0],
-                  "torch int8": int8[0].float() * scales[0][:, None],
-                  "torch int4": dequantize(q4[0], Q4_1), "torch int4 bf16": dequantize(q4[0], Q4_1),
-                  "raylm Q8_0": dequantize(q8[0], Q8_0), "raylm Q4_1": dequantize(q4[0], Q4_1)}
+        calls = {name: call for name, call in calls.items() if "torch" not in name}
+    references = {"torch int8": int8[0].float() * scales[0][:, None], "raylm Q8_0": dequantize(q8[0], Q8_0),
+                  "bf16 raylm Q8_0": dequantize(q8[0], Q8_0)}
     x = torch.randn(3, k)
     for name, call in calls.items():
         tolerance = 5e-2 if "bf16" in name else 1e-3
-        torch.testing.assert_close(call(x, 0).float(), x @ references[name].T, rtol=tolerance, atol=tolerance)
+        reference = references.get(name, dequantize(q4[0], Q4_1) if "int4" in name or "Q4_1" in name else floats[0])
+        torch.testing.assert_close(call(x, x.bfloat16(), 0).float(), x @ reference.T, rtol=tolerance,
+                                   atol=tolerance)
     return calls
 
 
-def bench(shapes: list[tuple[str, int, int]], rows: list[int], rounds: int, with_torch: bool) -> None:
+def bench(shapes: list[tuple[str, int, int, int]], rows: list[int], rounds: int, with_torch: bool,
+          best_round: bool) -> None:
     header = ["layer", "rows"]
     results: list[list[str]] = []
     summed: dict[int, dict[str, float]] = {}
-    for layer, n, k in shapes:
+    for layer, n, k, count in shapes:
         copies = max(2, _STREAM_BYTES // (n * k * 4))
         calls = kernels_for_shape(n, k, copies, with_torch)
         header = ["layer", "rows", *[f"{name} (us)" for name in calls], "best"]
         for m in rows:
             x = torch.randn(m, k)
+            xb = x.bfloat16()
             times: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(2):  # warm-up: first calls pack, allocate, fault the copies in
                 for call in calls.values():
                     for i in range(copies):
-                        call(x, i)
+                        call(x, xb, i)
             for r in range(rounds):
                 for name, call in calls.items():
                     start = time.perf_counter()
-                    call(x, r % copies)
+                    call(x, xb, r % copies)
                     times[name].append(time.perf_counter() - start)
-            medians = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+            medians = {name: (min(t) if best_round else statistics.median(t)) * 1e6 for name, t in times.items()}
             best = min(medians, key=medians.__getitem__)
             results.append([f"{layer} {n}x{k}", str(m), *[f"{medians[name]:.0f}" for name in calls], best])
-            # The plan's pick per shape and bucket: the faster of the block kernel and float32's best kernel.
+            # The plan's pick per shape and bucket: the faster of the block kernel and the float kernels on the copy,
+            # float32 for float32 activations, bfloat16 for bfloat16 ones. int4 keeps the LM head in Q8_0 (as the
+            # default GGUF file does).
             medians["float32 best"] = min(medians["float32"], medians["float32 onednn"], medians["float32 skinny"])
-            for fmt in ("Q8_0", "Q4_1"):
-                medians[f"{fmt} planned"] = min(medians[f"raylm {fmt}"], medians["float32 best"])
-            medians["bf16 copy"] = min(medians["bf16 copy onednn"], medians["bf16 copy skinny"])
+            bf16_best = min(medians["bf16 sgemm"], medians["bf16 onednn"], medians["bf16 skinny"])
+            for method, fmt in (("int8", "Q8_0"), ("int4", "Q8_0" if layer == "lm_head" else "Q4_1")):
+                medians[f"{method} blocks"] = medians[f"raylm {fmt}"]
+                medians[f"{method} planned"] = min(medians[f"raylm {fmt}"], medians["float32 best"])
+                medians[f"{method} planned bf16"] = min(medians[f"bf16 raylm {fmt}"], bf16_best)
             summed.setdefault(m, {name: 0.0 for name in medians})
             for name, value in medians.items():
-                summed[m][name] += value
+                summed[m][name] += value * count
             print(" | ".join(results[-1]), file=sys.stderr, flush=True)
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in results:
@@ -134,14 +148,15 @@ def bench(shapes: list[tuple[str, int, int]], rows: list[int], rounds: int, with
 
 
 def summary(summed: dict[int, dict[str, float]]) -> None:
-    """Per batch, one layer of each shape summed: float32's best kernel, and each format's speed against it: the block
-    kernel alone, planned (per shape the faster of it and float32's kernels on the copy), and the bfloat16 copy."""
-    print("\n| rows | float32 best (us) | Q8_0 blocks | Q8_0 planned | Q4_1 blocks | Q4_1 planned | bf16 copy |\n"
-          "|---|---|---|---|---|---|---|")
+    """Per batch, one forward's linears summed (each shape times its layers in the model): float32's best kernel,
+    and each method's speed against it (int8: Q8_0; int4 and the default GGUF: Q4_1, the LM head Q8_0): the block
+    kernel alone, planned in float32 and planned in bfloat16."""
+    columns = ["int8 blocks", "int4 blocks", "int8 planned", "int4 planned", "int8 planned bf16", "int4 planned bf16"]
+    print("\n| rows | float32 best (ms) | int8 blocks | int4 blocks | int8 planned, float32 | int4 planned, float32 "
+          "| int8 planned, bfloat16 | int4 planned, bfloat16 |\n|---|---|---|---|---|---|---|---|")
     for m, t in summed.items():
         best = t["float32 best"]
-        cells = [t[name] for name in ("raylm Q8_0", "Q8_0 planned", "raylm Q4_1", "Q4_1 planned", "bf16 copy")]
-        print(f"| {m} | {best:.0f} | " + " | ".join(f"{best / c:.2f}x" for c in cells) + " |")
+        print(f"| {m} | {best / 1e3:.1f} | " + " | ".join(f"{best / t[name]:.2f}x" for name in columns) + " |")
 
 
 def main() -> None:
@@ -150,13 +165,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no-torch", action="store_true", help="leave out torch's own weight-only ops")
+    parser.add_argument("--best", action="store_true", help="the fastest round of each kernel, not the median")
     args = parser.parse_args()
     assert kernels.load() is not None, "raylm's quantized kernels did not build"
     before = machine_line()
     print(before, file=sys.stderr)
-    bench(SHAPES[args.shapes], args.rows, args.rounds, not args.no_torch)
-    print(f"\n{torch.get_num_threads()} threads, median of {args.rounds} interleaved calls, weights streamed from "
-          f"memory (copies past the caches)\nbefore: {before}\nafter:  {machine_line()}")
+    bench(SHAPES[args.shapes], args.rows, args.rounds, not args.no_torch, args.best)
+    statistic = "best" if args.best else "median"
+    print(f"\n{torch.get_num_threads()} threads, {statistic} of {args.rounds} interleaved calls, weights streamed "
+          f"from memory (copies past the caches)\nbefore: {before}\nafter:  {machine_line()}")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ rounds alike) and a later start-up does not measure again. Delete `~/.cache/rayl
 
 A block-quantized layer (quantization: int8, int4, gguf) plans the same way with one more kernel, `packed`: its block
 kernel on the packed weight, fastest at a few rows where reading fewer bytes is what counts. The float kernels then run
-on a dequantized copy of the weight (`dequantized`, in the activations' dtype: quantization.block_quant says when not),
-kept only where the plan picks them for some bucket: on a Sapphire Rapids core the block kernels ran 1.5-2x float32 at
-one row and 0.84-0.94x from 8 rows on SmolLM2's shapes, where the plan's float kernels keep 1.0x
-(docs/cpu-performance.md).
+on a dequantized copy of the weight (`dequantized`, in the activations' dtype: bfloat16 under `dtype: auto` on a CPU
+with bfloat16 dot products; quantization.block_quant says when not), kept only where the plan picks them for some
+bucket: on a Sapphire Rapids core the block kernels win at one or two rows and oneDNN's AMX bfloat16 matmul on the
+copy from there (docs/cpu-performance.md).
 """
 from __future__ import annotations
 
