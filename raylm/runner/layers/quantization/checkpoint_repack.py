@@ -66,15 +66,19 @@ def to_blocks(name: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return RepackedTensor(name, blocks, fmt, f"{fmt.name} from {name}", input_perm)
 
 
-def per_block(name: str, values: torch.Tensor, rows: int, in_features: int) -> torch.Tensor:
-    """Per-group [N, G] (G groups along the input, 1 for a channel, [1] or [] for the tensor) -> [N, K / 32]."""
+def per_block(name: str, values: torch.Tensor, rows: int, in_features: int, group_size: int | None = None
+              ) -> torch.Tensor:
+    """Per-group [N, G] (G groups of `group_size` along the input, the last one possibly shorter; 1 for a channel,
+    [1] or [] for the tensor) -> [N, K / 32]."""
     blocks = in_features // BLOCK_SIZE
     values = values.reshape(1, 1) if values.numel() == 1 else values
-    groups = values.shape[-1]
-    if values.shape[0] not in (1, rows) or values.dim() != 2 or blocks % groups:
+    groups = -(-in_features // group_size) if group_size else 1
+    if values.dim() != 2 or values.shape[0] not in (1, rows) or values.shape[1] != groups:
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(values.shape)}: a weight of {rows} x "
-                         f"{in_features} needs one value per row and group of whole {BLOCK_SIZE}-weight blocks")
-    return values.expand(rows, groups).repeat_interleave(blocks // groups, dim=1)
+                         f"{in_features} needs one value per row and group ({groups} groups of "
+                         f"{group_size or in_features})")
+    block_groups = torch.arange(blocks, device=values.device) * BLOCK_SIZE // (group_size or in_features)
+    return values.expand(rows, groups)[:, block_groups]
 
 
 def group_order(name: str, g_idx: torch.Tensor, group_size: int | None, in_features: int
@@ -101,7 +105,7 @@ def repack(prefix: str, tensors: dict[str, torch.Tensor], quant: CheckpointQuant
     if quant.method == "gptq":
         return _gptq(prefix, tensors, quant)
     if quant.method == "awq":
-        return _awq(prefix, tensors)
+        return _awq(prefix, tensors, quant.group_size)
     if quant.layout == "pack-quantized":
         return _ct_packed(prefix, tensors, quant)
     weight, scale = tensors["weight"], tensors["weight_scale"]
@@ -132,26 +136,27 @@ def _ct_packed(prefix: str, tensors: dict[str, torch.Tensor], quant: CheckpointQ
                                          in_features)
         if perm is not None:
             q = q[:, perm]
-    groups = in_features // quant.group_size if quant.group_size else 1
+    groups = -(-in_features // quant.group_size) if quant.group_size else 1
     if quant.strategy != "tensor" and tuple(tensors["weight_scale"].shape) != (rows, groups):
         raise ValueError(f"checkpoint tensor {prefix}.weight_scale has shape {tuple(tensors['weight_scale'].shape)}, "
                          f"but {quant.strategy} scales (group_size {quant.group_size}) over {in_features} input "
                          f"features need ({rows}, {groups})")
-    scale = _blocks_of(f"{prefix}.weight_scale", tensors["weight_scale"], rows, in_features, block_groups)
+    scale = _blocks_of(f"{prefix}.weight_scale", tensors["weight_scale"], rows, in_features, block_groups,
+                       quant.group_size)
     zeros = None
     if not quant.symmetric:  # packed along the rows, each zero point stored + 2^(bits-1) as q is
         zero = unpack_int32(tensors["weight_zero_point"], quant.bits, dim=0)[:rows]
-        zeros = _blocks_of(f"{prefix}.weight_zero_point", zero, rows, in_features, block_groups)
+        zeros = _blocks_of(f"{prefix}.weight_zero_point", zero, rows, in_features, block_groups, quant.group_size)
     if quant.bits == 8:
         return to_blocks(prefix, q - offset, scale, None, 8, perm)
     return to_blocks(prefix, q, scale, zeros, 4, perm)  # zero points are stored + 8 as well: w = s * (q' - z')
 
 
-def _blocks_of(name: str, values: torch.Tensor, rows: int, in_features: int,
-               block_groups: torch.Tensor | None) -> torch.Tensor:
+def _blocks_of(name: str, values: torch.Tensor, rows: int, in_features: int, block_groups: torch.Tensor | None,
+               group_size: int | None) -> torch.Tensor:
     """Per-group values [rows, G] -> per block, by each block's group when the groups were reordered."""
     if block_groups is None:
-        return per_block(name, values, rows, in_features)
+        return per_block(name, values, rows, in_features, group_size)
     if values.shape[0] != rows or values.shape[1] <= int(block_groups.max()):
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(values.shape)}: {rows} rows and a column for "
                          f"each of {int(block_groups.max()) + 1} groups are needed")
@@ -163,7 +168,7 @@ def _gptq(prefix: str, tensors: dict[str, torch.Tensor], quant: CheckpointQuant)
     q = unpack_int32(tensors["qweight"], bits, dim=0).t()  # [K, N] packed along K -> [N, K]
     rows, in_features = q.shape
     scales = tensors["scales"].t()  # [G, N] -> [N, G]
-    groups = in_features // quant.group_size if quant.group_size else 1
+    groups = -(-in_features // quant.group_size) if quant.group_size else 1
     if scales.shape != (rows, groups):
         raise ValueError(f"checkpoint tensor {prefix}.scales has shape {tuple(tensors['scales'].shape)}, but "
                          f"group_size {quant.group_size or -1} over {in_features} input features needs "
@@ -179,8 +184,8 @@ def _gptq(prefix: str, tensors: dict[str, torch.Tensor], quant: CheckpointQuant)
         f"{prefix}.g_idx", g_idx, quant.group_size, in_features)
     if perm is not None:
         q = q[:, perm]
-    scale = _blocks_of(f"{prefix}.scales", scales, rows, in_features, block_groups)
-    zero = _blocks_of(f"{prefix}.qzeros", zeros, rows, in_features, block_groups)
+    scale = _blocks_of(f"{prefix}.scales", scales, rows, in_features, block_groups, quant.group_size)
+    zero = _blocks_of(f"{prefix}.qzeros", zeros, rows, in_features, block_groups, quant.group_size)
     if bits == 8:
         if not bool((zero == 128).all()):
             raise ValueError(f"checkpoint tensor {prefix}.qzeros: 8-bit zero points other than 128 (asymmetric) "
@@ -189,7 +194,7 @@ def _gptq(prefix: str, tensors: dict[str, torch.Tensor], quant: CheckpointQuant)
     return to_blocks(prefix, q, scale, zero, 4, perm)
 
 
-def _awq(prefix: str, tensors: dict[str, torch.Tensor]) -> RepackedTensor:
+def _awq(prefix: str, tensors: dict[str, torch.Tensor], group_size: int | None) -> RepackedTensor:
     def columns(packed: torch.Tensor) -> torch.Tensor:  # [R, C / 8] words -> [R, C] in column order
         values = unpack_int32(packed, 4, dim=1)
         return values.reshape(values.shape[0], -1, 8)[..., _AWQ_COLUMNS].reshape(values.shape[0], -1)
@@ -200,5 +205,5 @@ def _awq(prefix: str, tensors: dict[str, torch.Tensor]) -> RepackedTensor:
         raise ValueError(f"checkpoint tensor {prefix}.scales has shape {tuple(tensors['scales'].shape)} and "
                          f"{prefix}.qzeros holds {tuple(zeros.t().shape)} zero points; a weight of {in_features} x "
                          f"{rows} needs the same [groups, {rows}] for both")
-    return to_blocks(prefix, q, per_block(f"{prefix}.scales", scales, rows, in_features),
-                     per_block(f"{prefix}.qzeros", zeros, rows, in_features), 4)
+    return to_blocks(prefix, q, per_block(f"{prefix}.scales", scales, rows, in_features, group_size),
+                     per_block(f"{prefix}.qzeros", zeros, rows, in_features, group_size), 4)
