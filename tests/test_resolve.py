@@ -61,6 +61,7 @@ def test_a_cpu_host(llama: ModelInfo) -> None:
     # Without raylm's CPU kernels: the torch backend; without the grammar packages: a refusal naming the package.
     no_kernels = dataclasses.replace(CPU_HOST, missing_kernels={"cpu": "its kernels could not be built here"})
     assert resolve(llama, no_kernels).resolved.attention_backend == "torch"
+    assert resolve(llama, CPU_HOST, custom_ops="none").resolved.attention_backend == "torch"
     with pytest.raises(ValueError, match="attention_backend 'cpu' is not available: its kernels could not be built"):
         resolve(llama, no_kernels, attention_backend="cpu")
     with pytest.raises(ValueError, match="needs the llguidance package, which is not installed"):

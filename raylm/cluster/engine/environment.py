@@ -38,7 +38,11 @@ def gather_environment(config: EngineConfig, kernels: bool = True) -> Environmen
     )
     if not kernels:
         return facts
-    return dataclasses.replace(facts, missing_kernels=missing_kernels(_possible_devices(config, facts)))
+    devices = _possible_devices(config, facts)
+    if config.compilation_config.custom_ops == "none":  # raylm's CPU kernels are off: not even built
+        return dataclasses.replace(facts, missing_kernels={
+            **missing_kernels(devices - {"cpu"}), "cpu": "custom_ops='none' turns raylm's CPU kernels off"})
+    return dataclasses.replace(facts, missing_kernels=missing_kernels(devices))
 
 
 def _possible_devices(config: EngineConfig, facts: EnvironmentFacts) -> set[str]:
