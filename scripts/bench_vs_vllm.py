@@ -127,7 +127,7 @@ def bench_offline(all_setups: list[Setup], vocab: int, args: argparse.Namespace)
                     for process in processes if round_index % 2 == 0 else processes[::-1]:
                         rates.setdefault(process.name, []).append(sum(output_lens) / process.run())
                         print(f"  offline round {round_index + 1}: {process.name} {rates[process.name][-1]:.1f} "
-                              "tok/s", file=sys.stderr, flush=True)
+                              f"tok/s; matmul after it {matmul_gflops():.0f} GFLOP/s", file=sys.stderr, flush=True)
             finally:
                 for process in processes:
                     process.close()
@@ -181,8 +181,10 @@ def bench_served(all_setups: list[Setup], args: argparse.Namespace) -> dict[str,
             row = {"tok/s": run.output_throughput, "TTFT p50": 1000 * percentile(ttft, 50),
                    "ITL p50": 1000 * percentile(itl, 50), "ITL p99": 1000 * percentile(itl, 99)}
             results.setdefault(setup.label, []).append(row)
+            # The machine right after, on the engine's threads: a shared machine's load moves between servers.
             print(f"  served round {round_index + 1}: {setup.label} " +
-                  ", ".join(f"{k} {v:.1f}" for k, v in row.items()), file=sys.stderr, flush=True)
+                  ", ".join(f"{k} {v:.1f}" for k, v in row.items()) +
+                  f"; matmul after it {matmul_gflops():.0f} GFLOP/s", file=sys.stderr, flush=True)
     return results
 
 

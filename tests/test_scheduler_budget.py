@@ -1,5 +1,5 @@
 """The step's token budget beside running decodes: max_prefill_tokens_with_decodes (cluster/core/step_budget.py) and
-its device default (configs/scheduler_defaults.py)."""
+its default (configs/scheduler_defaults.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from raylm.cluster.core.scheduler import Scheduler
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig
-from raylm.configs.scheduler_defaults import CPU_PREFILL_TOKENS_WITH_DECODES, resolve_scheduler_config
+from raylm.configs.scheduler_defaults import CPU_SERVING_PREFILL_TOKENS, resolve_scheduler_config
 from tests.test_scheduler import BLOCK_SIZE, FakeRunner, expected_tokens, make_request, run, step
 
 
@@ -67,14 +67,15 @@ def test_the_chunk_needs_chunked_prefill() -> None:
         SchedulerConfig(max_prefill_tokens_with_decodes=64, enable_chunked_prefill=False)
 
 
-@pytest.mark.parametrize(("given", "device", "chunked", "resolved"), [
-    (None, "cpu", True, CPU_PREFILL_TOKENS_WITH_DECODES),
-    (None, "cuda", True, 0),
-    (None, "cpu", False, 0),  # a prompt must then fit one step whole
-    (16, "cuda", True, 16),  # the user's choice stands
-    (0, "cpu", True, 0),
+@pytest.mark.parametrize(("given", "device", "serving", "chunked", "resolved"), [
+    (None, "cpu", True, True, CPU_SERVING_PREFILL_TOKENS),
+    (None, "cpu", False, True, 0),  # an offline batch fills its decode batch first
+    (None, "cuda", True, True, 0),
+    (None, "cpu", True, False, 0),  # a prompt must then fit one step whole
+    (16, "cuda", False, True, 16),  # the user's choice stands
+    (0, "cpu", True, True, 0),
 ])
-def test_device_default(given: int | None, device: str, chunked: bool, resolved: int) -> None:
+def test_default(given: int | None, device: str, serving: bool, chunked: bool, resolved: int) -> None:
     config = SchedulerConfig(max_prefill_tokens_with_decodes=given, enable_chunked_prefill=chunked,
                              max_num_batched_tokens=8192)
-    assert resolve_scheduler_config(config, device).max_prefill_tokens_with_decodes == resolved
+    assert resolve_scheduler_config(config, device, serving).max_prefill_tokens_with_decodes == resolved

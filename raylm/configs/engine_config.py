@@ -89,7 +89,8 @@ class SchedulerConfig(_Section):
     max_prefill_tokens_with_decodes: int | None = Field(
         None, ge=0, description="the most prompt tokens a step computes while it also decodes running requests, so "
                                 "those streams wait at most that chunk's time for their next token (chunked "
-                                "prefill); 0: off; None: the device's default (configs/scheduler_defaults.py)")
+                                "prefill); 0: off; None: decided at resolution (configs/scheduler_defaults.py: 32 "
+                                "for a server on CPU, else off)")
     async_scheduling: bool = False
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
