@@ -74,7 +74,8 @@ def test_replica_killed_mid_run_every_row_exactly_once(local_ray: None, llama_pa
     assert killed is not None and len(rows) == NUM_ROWS
     assert sorted(row["id"] for row in rows) == list(range(NUM_ROWS))  # each row exactly once
     assert {row["id"]: list(row["generated_tokens"]) for row in rows} == reference
-    assert [actor["NumRestarts"] for actor in replicas() if actor["ActorID"] == killed["ActorID"]] == [1]
+    # At least our kill; Ray's memory monitor may kill (and restart) replicas too on a crowded machine.
+    assert [actor["NumRestarts"] >= 1 for actor in replicas() if actor["ActorID"] == killed["ActorID"]] == [True]
 
 
 def bad_rows(row: dict[str, Any]) -> dict[str, Any]:
