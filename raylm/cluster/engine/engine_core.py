@@ -59,8 +59,10 @@ class EngineCore:
                 self.executor.collective_rpc("get_kv_connector_handshake_metadata"))
         self.structured_output_manager = StructuredOutputManager(config)
         # Stage 0 of a pipeline learns a request's sampled token only from the next SchedulerOutput.
+        max_model_len = config.model_config.max_model_len
+        assert max_model_len is not None, "resolution sets max_model_len"
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, config.model_config.max_model_len, self.num_blocks,
+            config.scheduler_config, config.cache_config, max_model_len, self.num_blocks,
             config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1,
             speculative_config=config.speculative_config, kv_connector=self.kv_connector,
             max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else None,
@@ -111,7 +113,7 @@ class EngineCore:
         deferred sampling), and nothing more is scheduled meanwhile. Such a request verifies no drafts: they would be
         placeholders, proposed by the runner after the engine has filled the bitmask."""
         queue = self.batch_queue
-        assert queue is not None
+        assert queue is not None and queue.maxlen is not None
         if self.deferred_step is None and len(queue) < queue.maxlen and self.scheduler.has_unfinished_requests():
             scheduler_output = self._schedule()
             # A step with no tokens still tells the workers which requests finished, and lets KV transfers finish.

@@ -39,6 +39,7 @@ class LLMEngine:
         config = resolve_engine_config(config)
         self.config = config
         self.model_info: ModelInfo = config.model_info
+        assert config.model_config.tokenizer is not None, "resolution sets the tokenizer (the model's by default)"
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
         eos = set(self.model_info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -27,6 +27,7 @@ class LoRAChecker:
         if known is not None:
             raise ValueError(f"lora_request {lora_request.lora_name!r}: lora_int_id {lora_request.lora_int_id} is "
                              f"already adapter {known.lora_name!r} ({known.lora_path}); give each adapter its own id")
+        assert self.hf_config is not None, "read_model_info keeps the checkpoint's config"
         check_adapter(lora_request.lora_name, lora_request.lora_path, self.hf_config, self.max_lora_rank)
         self.checked[lora_request.lora_int_id] = lora_request
 

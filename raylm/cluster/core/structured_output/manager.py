@@ -84,6 +84,7 @@ class StructuredOutputManager:
             if self._tokenizer is None:
                 # The engine's own loader (LLMEngine's), so that the grammar and the detokenizer see one vocabulary on
                 # every model path: a folder, a GGUF file, a `tokenizer` override, a hub id.
+                assert self.tokenizer_name is not None, "resolution sets the tokenizer (the model's by default)"
                 self._tokenizer = get_tokenizer(self.tokenizer_name)
                 self.reasoner = get_reasoning_parser(self.config.reasoning_parser, self._tokenizer)
             vocab_size = self.model_info.vocab_size

@@ -79,6 +79,7 @@ class OpenAIServing:
         max_model_len is refused, after truncate_prompt_tokens kept the prompt's last tokens."""
         config = self.engine.engine_config
         max_model_len, vocab_size = config.model_config.max_model_len, config.model_info.vocab_size
+        assert max_model_len is not None, "the engine's config is resolved: max_model_len is set"
         keep = max_model_len if request.truncate_prompt_tokens == -1 else request.truncate_prompt_tokens
         if keep is not None and len(token_ids) > keep:
             text, token_ids = None, token_ids[-keep:]
