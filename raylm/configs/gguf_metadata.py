@@ -64,7 +64,7 @@ def read_gguf_metadata(path: str) -> tuple[dict[str, Any], frozenset[str]]:
 
 def gguf_architecture(metadata: dict[str, Any]) -> str:
     arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; raylm runs {', '.join(ARCHITECTURES)}")
     return arch
 
@@ -156,9 +156,9 @@ def _llama3_scaling(path: str | Path, base: float, head_dim: int) -> dict[str, A
 
     tensor = next(t for t in gguf_reader(str(path)).tensors if t.name == "rope_freqs.weight")
     factors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    expected = []
+    scaling: dict[str, Any] = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    expected: list[float] = []
     for i in range(head_dim // 2):
         wavelen = 2 * math.pi * base ** (2 * i / head_dim)
         smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
@@ -199,7 +199,7 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
                           for t, kind in zip(tokens, types) if kind == _USER_DEFINED])
     ids = _special_token_ids(metadata)
-    post = [processors.ByteLevel(trim_offsets=False)]
+    post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
     bos_id = ids.get("bos_token_id")
     if metadata.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
         bos = tokens[bos_id]
@@ -209,8 +209,10 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     special = {name: tokens[metadata[f"tokenizer.ggml.{key}_token_id"]]
                for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
                                  ("pad_token", "padding")) if f"tokenizer.ggml.{key}_token_id" in metadata}
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=metadata.get("tokenizer.chat_template"),
-                                   clean_up_tokenization_spaces=False, **special)
+    # transformers leaves its tokenizer constructors unannotated.
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer, chat_template=metadata.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False, **special)
 
 
 def get_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
