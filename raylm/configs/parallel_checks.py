@@ -15,6 +15,8 @@ And of pipeline_parallel_size: at least one layer per stage (pp_layer_partition,
 """
 from __future__ import annotations
 
+from typing import Any
+
 from raylm.configs import quant_formats
 from raylm.configs.engine_config import ParallelConfig
 from raylm.configs.model_info import ModelInfo
@@ -78,7 +80,7 @@ def tensor_parallel_sizes(model_info: ModelInfo, quantization: str, enable_exper
             if tensor_parallel_problem(model_info, tp, quantization, enable_expert_parallel) is None]
 
 
-def _sharded_mlp_sizes(model_info: ModelInfo, text: dict, enable_expert_parallel: bool) -> dict[str, int]:
+def _sharded_mlp_sizes(model_info: ModelInfo, text: dict[str, Any], enable_expert_parallel: bool) -> dict[str, int]:
     """The intermediate sizes tensor parallelism shards: the dense MLPs', and the experts' unless expert parallel."""
     sizes: dict[str, int] = {}
     # Qwen3-MoE keeps dense MLPs in mlp_only_layers and between sparse steps.
@@ -116,10 +118,11 @@ def _check_expert_parallel(model_info: ModelInfo, parallel: ParallelConfig, dp_l
                          f"{_sizes(ranks)} ranks")
 
 
-def _text_config(model_info: ModelInfo) -> dict:
+def _text_config(model_info: ModelInfo) -> dict[str, Any]:
     assert model_info.hf_config is not None, "read_model_info keeps the checkpoint's config"
     hf = model_info.hf_config.to_dict()
-    return hf.get("text_config", hf)
+    text: dict[str, Any] = hf.get("text_config", hf)
+    return text
 
 
 def _sizes(sizes: list[int]) -> str:
