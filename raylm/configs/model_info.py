@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from raylm.configs.engine_config import ModelConfig
 from raylm.configs.gguf_metadata import is_gguf, read_gguf_config
@@ -143,7 +143,9 @@ def cpu_multiplies_bf16() -> bool:
         return False
     import torch  # here, not at import: the config layer is read by processes that never compute
 
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # (torch leaves mkldnn.is_available unannotated.)
+    return bool(torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_quantization(model_config: ModelConfig, model_info: ModelInfo) -> str:
@@ -169,7 +171,7 @@ def resolve_max_model_len(model_config: ModelConfig, model_info: ModelInfo) -> i
     return max_model_len
 
 
-def _eos_token_ids(path: Path, hf: dict) -> tuple[int, ...]:
+def _eos_token_ids(path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
     ids: set[int] = set()
     sources = [hf]
     generation_file = path / "generation_config.json"
