@@ -4,11 +4,14 @@ inside `set_quant_config(config)` and every linear or embedding layer asks `curr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+# `weight_loader(param, loaded_weight, shard_id=None)`: copies this rank's shard of a full checkpoint tensor into param.
+WeightLoader = Callable[..., None]
 
 
 class QuantizeMethodBase(ABC):
@@ -16,7 +19,7 @@ class QuantizeMethodBase(ABC):
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_size_per_partition: int,
-                       weight_loader: object) -> None:
+                       weight_loader: WeightLoader) -> None:
         """Register `layer.weight` for this rank's shard ([output, input] rows of the full weight), with
         `weight_loader(param, loaded_weight, shard_id)` as its loader (the layer's sharding)."""
 
