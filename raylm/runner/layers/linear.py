@@ -3,7 +3,6 @@ which takes the FULL checkpoint tensor and copies in this rank's shard, so shard
 `quant_method` (vLLM's shape) creates its weight and runs it: float here, packed blocks under a `quantization`."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from itertools import accumulate
 from typing import TYPE_CHECKING, cast
 
@@ -12,13 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from raylm.runner.layers.cpu_gemm import CpuGemmMixin
-from raylm.runner.layers.quantization.base_config import QuantizeMethodBase, current_quant_config
+from raylm.runner.layers.quantization.base_config import QuantizeMethodBase, WeightLoader, current_quant_config
 from raylm.runner.parallel_state import get_tp_group
 
 if TYPE_CHECKING:
     from raylm.runner.lora.layers import LoRASlots
-
-WeightLoader = Callable[..., None]
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
