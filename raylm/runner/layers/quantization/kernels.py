@@ -56,7 +56,8 @@ def block_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: 
     if ops is None:
         return F.linear(x, dequantize(packed, fmt).to(x.dtype), bias)
     x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-    y = ops.block_gemm(x2d, packed, fmt.ggml_type, packed.shape[0], max_direct_rows)  # type: ignore[union-attr]
+    # ops is the kernels' module here (_UNSET replaced, None returned): the sentinel makes its type `object`.
+    y = ops.block_gemm(x2d, packed, fmt.ggml_type, packed.shape[0], max_direct_rows)  # type: ignore[attr-defined]
     if bias is not None:
         y += bias
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
