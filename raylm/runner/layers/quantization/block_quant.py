@@ -40,12 +40,14 @@ _FLOAT = UnquantizedLinearMethod()
 
 class BlockQuantMethod(QuantizeMethodBase):
     """One layer's weight in a block format: `fmt`, or with fmt None each checkpoint tensor's own (GGUF). The
-    parameter's `quant_format` says which it holds (None: a float weight, as a GGUF F16/F32 tensor loads)."""
+    parameter's `quant_format` says which it holds (None: a float weight, as a GGUF F16/F32 tensor loads). `layer`
+    is Any to mypy: a linear or embedding layer that this method gives attributes of its own (params_dtype,
+    block_kernels, ...) besides CpuGemmMixin's."""
 
     def __init__(self, fmt: BlockFormat | None) -> None:
         self.fmt = fmt
 
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_size_per_partition: int,
+    def create_weights(self, layer: Any, input_size_per_partition: int, output_size_per_partition: int,
                        weight_loader: WeightLoader) -> None:
         if input_size_per_partition % BLOCK_SIZE:
             raise ValueError(
@@ -63,7 +65,7 @@ class BlockQuantMethod(QuantizeMethodBase):
 
         layer.weight = set_weight_loader(weight, load)
 
-    def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor,
+    def load_weight(self, layer: Any, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor,
                     shard_id: object, weight_loader: WeightLoader) -> None:
         """Bring `loaded` (a full checkpoint tensor) to the parameter's format, then let the layer shard it. The
         parameter takes its format from the first tensor under `gguf`; a fused weight's shards must agree."""
@@ -93,7 +95,7 @@ class BlockQuantMethod(QuantizeMethodBase):
             return None, loaded
         return self.fmt, quantize(loaded, self.fmt)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         fmt = layer.weight.quant_format
         if fmt is None:
             return _FLOAT.apply(layer, x, bias)
@@ -101,13 +103,13 @@ class BlockQuantMethod(QuantizeMethodBase):
             return layer.matmul(x, bias)
         return kernels.block_linear(x, layer.weight, fmt, bias, layer.block_kernels)
 
-    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    def embedding(self, layer: Any, ids: torch.Tensor) -> torch.Tensor:
         fmt = layer.weight.quant_format
         if fmt is None:
             return _FLOAT.embedding(layer, ids)
         return kernels.block_rows(layer.weight, ids, fmt, layer.params_dtype)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         fmt = layer.weight.quant_format
         # Decided once per layer (device, dtype, custom_ops are fixed by now) rather than on every call.
         layer.block_kernels = kernels.kernels_for(layer.weight.device, layer.params_dtype)
@@ -125,7 +127,7 @@ class BlockQuantMethod(QuantizeMethodBase):
         if fmt is None or layer.block_matmul is not None:
             _FLOAT.process_weights_after_loading(layer)
 
-    def kernel_name(self, layer: nn.Module) -> str:
+    def kernel_name(self, layer: Any) -> str:
         fmt = layer.weight.quant_format
         if fmt is None or layer.packed_weight is not None:
             return _FLOAT.kernel_name(layer)
