@@ -12,6 +12,8 @@ shards them as it shards a GGUF file's blocks (rows for column parallel, whole b
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -45,7 +47,7 @@ class CheckpointQuantMethod(BlockQuantMethod):
         super().__init__(None)
         self.quant = quant
 
-    def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor,
+    def load_weight(self, layer: Any, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor,
                     shard_id: object, weight_loader: WeightLoader) -> None:
         """As BlockQuantMethod's, keeping the input permutation of the first part of a fused layer: the others share
         its input, so they must be in the same order."""
@@ -60,7 +62,7 @@ class CheckpointQuantMethod(BlockQuantMethod):
                              "raylm runs one order per layer")
         super().load_weight(layer, param, loaded, shard_id, weight_loader)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         perm = getattr(layer, "input_perm", None)  # set by the first loaded part (None: input order)
         if perm is not None:
             x = x.index_select(-1, perm)
@@ -68,7 +70,7 @@ class CheckpointQuantMethod(BlockQuantMethod):
             x = quantize_activations(x, self.quant.activations)
         return super().apply(layer, x, bias)
 
-    def kernel_name(self, layer: nn.Module) -> str:
+    def kernel_name(self, layer: Any) -> str:
         return f"{super().kernel_name(layer)} ({self.quant.method})"
 
 
