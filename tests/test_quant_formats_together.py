@@ -1,6 +1,6 @@
 """A quantized checkpoint as shipped together with the rest: LoRA over its quantized base (against PEFT over the
 same weights dequantized by transformers' compressed-tensors integration), speculative decoding with it as the target
-(a float draft; greedy output equal to the target's own) and TP=2 on Ray (equal to one device)."""
+(a float draft; greedy output equal to the target's own), TP=2 and PP=2 on Ray (equal to one device)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -64,12 +64,14 @@ def test_speculative_decoding_with_a_quantized_target(float_path: Path, tmp_path
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
 
 
-def test_tensor_parallel_matches_one_device(ray_cluster: None, float_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_parallel_layouts_match_one_device(ray_cluster: None, float_path: Path, tmp_path: Path,
+                                           layout: dict[str, int]) -> None:
     """TP=2 shards the repacked blocks: o_proj's 32 inputs per rank split a group of 64 across the ranks, each block
-    carrying its group's scale and zero point."""
+    carrying its group's scale and zero point. PP=2: each stage repacks only its own layers' tensors."""
     ct = write_compressed_tensors(float_path, "w4a16-group-asym", tmp_path / "ct")
     one, llm = run(ct)
     llm.shutdown()
-    two, llm = run(ct, tensor_parallel_size=2, distributed_executor_backend="ray")
+    two, llm = run(ct, distributed_executor_backend="ray", **layout)
     llm.shutdown()
     assert_same_output(two, one)
