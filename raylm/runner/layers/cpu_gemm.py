@@ -233,10 +233,10 @@ def plan_linears(model: nn.Module) -> None:
     if plans is None:
         saved = json.loads((folder / "plans.json").read_text())["plans"]
         plans = {(out_f, in_f, bias, kind): GemmPlan(tuple(kernels)) for out_f, in_f, bias, kind, kernels in saved}
-    for shape, modules in layers.items():
-        for module in modules:
-            module.gemm_plan = plans[shape]
-            module.process_weights_after_loading()
+    for shape, planned in layers.items():
+        for layer in planned:
+            layer.gemm_plan = plans[shape]
+            layer.process_weights_after_loading()
     show_info(logger)
     logger.info("cpu linear kernels (%d threads): %s", threads,
                 "; ".join(f"{out_f}x{in_f}{'' if kind in ('float32', 'bfloat16') else f' ({kind})'}: "
@@ -304,13 +304,14 @@ def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tenso
         calls["skinny"] = lambda layer, weight, packed, skinny: cast_out(
             ops.skinny_linear(cast_in(), skinny, out_features, float_bias))
     if quantized:
-        calls["packed"] = lambda layer, weight, packed, skinny: layer.block_matmul(x, bias)
+        # Timed only for quantized layers, each of which has its block_matmul.
+        calls["packed"] = lambda layer, weight, packed, skinny: layer.block_matmul(x, bias)  # type: ignore[misc]
     best = {name: float("inf") for name in calls}
     for round_index in range(_TIMED_ROUNDS + 1):
         for name, call in calls.items():
             start = time.perf_counter()
-            for layer, weight, packed, skinny in weights:
-                call(layer, weight, packed, skinny)
+            for layer, weight, packed, panel in weights:
+                call(layer, weight, packed, panel)
             if round_index:  # round 0 warms up: oneDNN creates its primitive, the caches fill
                 best[name] = min(best[name], (time.perf_counter() - start) / len(weights))
     return best
