@@ -22,6 +22,7 @@ from raylm.cluster.engine.async_llm import AsyncLLM
 from raylm.cluster.engine.llm_engine import PromptType
 from raylm.cluster.engine.outputs import EngineDeadError
 from raylm.cluster.serve.app import replica_torch_threads
+from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
 
 
@@ -67,7 +68,7 @@ class EngineStageUDF:
             return row["prompt"]
         raise ValueError(f"the row has neither a 'prompt' (text) nor 'messages' (chat); its columns: {sorted(row)}")
 
-    async def _generate(self, prompt: PromptType, params: Any) -> dict[str, Any]:
+    async def _generate(self, prompt: PromptType, params: SamplingParams) -> dict[str, Any]:
         start = time.perf_counter()
         first_token_time: float | None = None
         text: list[str] = []

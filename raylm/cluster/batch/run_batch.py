@@ -117,7 +117,7 @@ def write_text(uri: str, text: str) -> None:
 
 
 def _fsspec_open(uri: str, mode: str) -> Any:
-    import fsspec  # type: ignore[import-untyped]
+    import fsspec
 
     return fsspec.open(uri, mode, encoding="utf-8")
 
