@@ -1,7 +1,7 @@
 """Rows/s of batch inference (issue #44): LLM.generate on N rows against the same rows through one processor replica's
 code in this process (EngineStageUDF: an AsyncLLM fed max_concurrent_batches batches at once, what Ray Data gives a
-replica), then through Ray Data pools of 1 and 2 replicas end to end (replica start-up included, and reported apart:
-the seconds until the first batch came out).
+replica), then through Ray Data pools of 1 and 2 replicas end to end (replica start-up included; the seconds until
+the first batch came out are reported apart).
 
     python scripts/bench_batch.py [--model PATH] [--rows 256] [--max-tokens 32] [--repeats 2]
 
@@ -116,7 +116,7 @@ def main() -> None:
         total, to_first = time_pool(model, engine, args.rows, sampling, concurrency, args.batch_size,
                                     args.max_concurrent_batches)
         print(f"Ray Data, {concurrency} replica(s):    {args.rows / total:8.1f} rows/s end to end ({total:.1f} s, "
-              f"{to_first:.1f} s of it until the first batch came out: replica start-up)")
+              f"{to_first:.1f} s of it until the first batch came out: replica start-up and that batch)")
     ray.shutdown()
 
 
