@@ -42,6 +42,7 @@ from raylm.runner.kv_transfer.model_runner_hooks import (
 from raylm.runner.layers.attention import Attention
 from raylm.runner.lora.worker_manager import LoRAManager
 from raylm.runner.models.cpu_layer_stack import stack_layers
+from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.models.loader import load_model, reload_weights
 from raylm.runner.parallel_state import get_dp_group, get_pp_group
 from raylm.runner.profile_run import ProfileRun
@@ -100,7 +101,7 @@ class ModelRunner:
         self.forward_log = ForwardLog() if config.observability_config.record_forwards else None
         self.log_batch_execution = config.observability_config.log_batch_execution
         # Built by load_model, which knows the process groups (a runner is built before, and tested without, them).
-        self.model: torch.nn.Module | None = None
+        self.model: LlamaForCausalLM | None = None
         self.planner: BatchPlanner | None = None
         self.graphs: DecodeGraphs | None = None
         self.sleep_mode: SleepMode | None = None  # once the KV cache exists
@@ -116,6 +117,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         pp = get_pp_group()
+        assert self.model_info.hf_config is not None, "read_model_info keeps the checkpoint's config"
         self.model = load_model(self.model_info.path, self.model_info.hf_config, dtype=self.dtype, device=self.device,
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
                                 partition=self.config.parallel_config.pp_layer_partition,
@@ -164,8 +166,8 @@ class ModelRunner:
             self.kv_caches.append(layer.kv_cache)
         self.kv_connector = create_worker_connector(
             self.config, {layer.layer_idx: layer.kv_cache for layer in self.attention_layers()})
-        self.sleep_mode = SleepMode(self.model, self.kv_caches,
-                                    lambda: reload_weights(self.model, self.model_info.path))
+        model = self.model
+        self.sleep_mode = SleepMode(model, self.kv_caches, lambda: reload_weights(model, self.model_info.path))
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -200,6 +202,7 @@ class ModelRunner:
             output = self._run_forward(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode, inputs.common,
                                        intermediate_tensors, has_lora)
         if not pp.is_last_rank:
+            assert isinstance(output, IntermediateTensors)
             return output
         assert isinstance(output, torch.Tensor)
         # Padding rows (if any) come after the real tokens: logits_indices never reach them.
@@ -225,7 +228,7 @@ class ModelRunner:
             with tracing.span("sample"):
                 spec = self.spec_decoder.sample(state.logits, spec_metadata, rows, batch,
                                                 self.sampling_metadata.build(batch, rows), state.hidden_states)
-            return ModelRunnerOutput(list(batch.req_ids[: batch.num_reqs]), spec.sampled_token_ids, spec.logprobs,
+            return ModelRunnerOutput(batch.live_req_ids, spec.sampled_token_ids, spec.logprobs,
                                      self.prompt_logprobs.pop_completed(), spec.spec_token_ids,
                                      kv_connector_output=state.kv_connector_output)
         with tracing.span("sample"):
@@ -233,7 +236,7 @@ class ModelRunner:
             sampled = to_host(sampler_output.sampled_token_ids)[0].tolist()  # the step's one host wait
         batch.append_sampled(rows, sampled)
 
-        req_ids = batch.req_ids[: batch.num_reqs]
+        req_ids = batch.live_req_ids
         if len(sampled) == len(req_ids):  # every row samples, in row order
             sampled_token_ids = [[token] for token in sampled]
         else:
