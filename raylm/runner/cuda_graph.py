@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from raylm.runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from raylm.runner.forward_context import set_forward_context
 from raylm.runner.input_buffers import InputBuffers
+
+if TYPE_CHECKING:
+    from raylm.runner.layers.attention import Attention
 
 
 class CUDAGraphRunner:
@@ -111,7 +115,7 @@ class DecodeGraphs:
         assert isinstance(output, torch.Tensor)
         return output
 
-    def memory_estimate(self, layer: torch.nn.Module, max_seq_len: int, dtype: torch.dtype) -> int:
+    def memory_estimate(self, layer: Attention, max_seq_len: int, dtype: torch.dtype) -> int:
         """Bytes the largest decode graph adds over the profile run (CUDA): one layer's K/V gathered over the whole
         block-table width, its scores and key slots."""
         if self.device.type != "cuda" or not self.enabled:
