@@ -157,6 +157,7 @@ class Worker:
         start = time.perf_counter()
         num_graphs = runner.capture_model()
         if num_graphs:
+            assert runner.graphs is not None  # graphs were captured
             torch.cuda.synchronize()
             used = free_before - torch.cuda.mem_get_info()[0]
             logger.info("captured %d CUDA graphs (sizes %s) in %.1f s, %.2f GiB", num_graphs,
