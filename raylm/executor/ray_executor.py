@@ -62,7 +62,7 @@ class RayExecutor(Executor):
             _, pp, tp = self.layout.coords(rank)
             name = f"raylm-{engine_id}-rank{rank}"
             # Resources come from the bundle; num_cpus=0 keeps Ray from also counting CPUs per actor.
-            self.workers.append(_WorkerActor.options(
+            self.workers.append(_WorkerActor.options(  # type: ignore[arg-type]  # Ray: ActorHandle | the class
                 name=name, num_cpus=0, num_gpus=1 if device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(plan.placement_group, bundle),
             ).remote(rank))
