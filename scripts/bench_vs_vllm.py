@@ -285,8 +285,8 @@ def main() -> None:
     served = bench_served(all_setups, args) if args.only != "offline" else {}
     print(f"after:  {machine_line()}\n")
     print(f"SmolLM2-135M-Instruct; offline: 48 requests, prompts 16-256, outputs 16-128, greedy, median of "
-          f"{args.offline_runs} interleaved rounds; served: 8 clients, 64 requests, 256-word prompts, 128 output "
-          f"tokens, median of {args.served_runs} interleaved rounds; {args.threads} thread(s) per engine")
+          f"{args.offline_runs} interleaved rounds; served: 8 clients, {args.served_requests} requests, 256-word "
+          f"prompts, 128 output tokens, median of {args.served_runs} rounds; {args.threads} thread(s) per engine")
     print(ratio_table(all_setups, offline, served) + "\n\n" + setups_table(all_setups, offline, served))
 
 
