@@ -63,7 +63,7 @@ class LLMEngineServer(LLMServerHandles):
     LLMServer it is the app's HTTP entry itself. /metrics answers from the replica that gets the request, its series
     labelled with that replica's id; the same series go to Ray's metrics from every replica."""
 
-    async def __init__(self, config: EngineConfig) -> None:
+    async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]  # Serve awaits an async __init__
         torch.set_num_threads(replica_torch_threads())
         replica = serve.get_replica_context().replica_id.unique_id
         model_name = served_model_name(config.model_config)
@@ -124,16 +124,17 @@ def build_openai_app(config: EngineConfig) -> serve.Application:
             raise ValueError("routing_policy 'prefix' over Serve replicas cannot be combined with enable_lora: the "
                              "LoRA ingress picks replicas by adapter (Serve's multiplexing); use routing_policy auto")
         # One ingress per app: the replicas answer the LoRA ingress's handle calls only. Serve's multiplexed routing
-        # needs the adapter's name before a replica is chosen: the ingress reads it.
-        server = serve.deployment(LLMEngineServer).options(name=name, **options).bind(config)
-        return serve.deployment(LoRAIngress).options(
+        # needs the adapter's name before a replica is chosen: the ingress reads it. (Ray types serve.deployment as
+        # returning a decorator, also when given the class: hence the ignores on `.options` here and below.)
+        server = serve.deployment(LLMEngineServer).options(name=name, **options).bind(config)  # type: ignore[attr-defined]
+        return serve.deployment(LoRAIngress).options(  # type: ignore[attr-defined]
             name=f"LoRAIngress:{model_id}", max_ongoing_requests=_MAX_ONGOING_REQUESTS,
             ray_actor_options={"num_cpus": 0.5, "runtime_env": _replica_runtime_env()}).bind(server, model_id)
     if serving.max_replicas == 1 or deployment.routing_policy == "load":
-        return serve.deployment(LLMServer).options(name=name, **options).bind(config)
-    routed = serve.deployment(LLMEngineServer).options(
+        return serve.deployment(LLMServer).options(name=name, **options).bind(config)  # type: ignore[attr-defined]
+    routed = serve.deployment(LLMEngineServer).options(  # type: ignore[attr-defined]
         name=name, request_router_config=prefix_router_config(config.routing_config), **options).bind(config)
-    return serve.deployment(OpenAIIngress).options(
+    return serve.deployment(OpenAIIngress).options(  # type: ignore[attr-defined]
         **ingress_options(f"OpenAIIngress:{model_id}", serving.min_replicas, serving.max_replicas)
     ).bind(routed, serving.api_key)
 
