@@ -57,10 +57,12 @@ def build_pd_openai_app(args: dict[str, Any]) -> serve.Application:
     prefill_options = llm_server_options(prefill, prefill_deployment)
     if prefill.serving_config.max_replicas > 1 and prefill_deployment.routing_policy == "prefix":
         prefill_options["request_router_config"] = prefix_router_config(prefill.routing_config)
-    prefill_server = serve.deployment(LLMEngineServer).options(name=f"LLMServer:prefill:{model_id}", **prefill_options)
-    decode_server = serve.deployment(LLMEngineServer).options(name=f"LLMServer:decode:{model_id}",
-                                                        **llm_server_options(decode, replica_deployment(decode)))
+    # Ray types serve.deployment as returning a decorator, also when given the class: hence the ignores.
+    prefill_server = serve.deployment(LLMEngineServer).options(  # type: ignore[attr-defined]
+        name=f"LLMServer:prefill:{model_id}", **prefill_options)
+    decode_server = serve.deployment(LLMEngineServer).options(  # type: ignore[attr-defined]
+        name=f"LLMServer:decode:{model_id}", **llm_server_options(decode, replica_deployment(decode)))
     serving = decode.serving_config
-    return serve.deployment(OpenAIIngress).options(
+    return serve.deployment(OpenAIIngress).options(  # type: ignore[attr-defined]
         **ingress_options(f"PDProxy:{model_id}", serving.min_replicas, serving.max_replicas)
     ).bind(decode_server.bind(decode), args.get("api_key", serving.api_key), prefill_server.bind(prefill))
