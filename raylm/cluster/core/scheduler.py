@@ -26,6 +26,7 @@ from raylm.configs.engine_config import CacheConfig, SchedulerConfig, Speculativ
 from raylm.runner.kv_transfer import KVConnectorBase
 
 if TYPE_CHECKING:
+    from raylm.cluster.core.block_pool import KVCacheBlock
     from raylm.cluster.core.structured_output import StructuredOutputManager
 
 
@@ -190,6 +191,7 @@ class Scheduler:
             if not loras.admits(request):
                 skipped.append((queue, queue.pop()))
                 continue
+            computed_blocks: list[KVCacheBlock]
             if request.request_id in self.kv_cache_manager.req_to_blocks:  # its external KV arrived into them
                 computed_blocks, num_computed_tokens = [], request.num_computed_tokens
             else:
@@ -269,6 +271,7 @@ class Scheduler:
             sampled = sampled_token_ids[row] if row is not None else None
             if not sampled:
                 continue  # a partial prefill
+            assert row is not None  # a request with sampled tokens has a row
             num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             if num_drafts:
                 assert self.drafts is not None
