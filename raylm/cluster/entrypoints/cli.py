@@ -76,7 +76,9 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed)
     prompts = args.prompts or ["The quick brown fox", "Once upon a time"]
-    chat = args.chat if args.chat is not None else is_default_chat_model(llm.llm_engine.config.model_config.model)
+    model = llm.llm_engine.config.model_config.model
+    assert model is not None, "resolution names the model (the default one when none was given)"
+    chat = args.chat if args.chat is not None else is_default_chat_model(model)
     try:
         outputs = (llm.chat([[{"role": "user", "content": p}] for p in prompts], params) if chat
                    else llm.generate(prompts, params))
