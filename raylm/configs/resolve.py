@@ -25,6 +25,7 @@ from raylm.configs.resolve_sections import (
     resolve_speculative,
     structured_outputs_backends,
 )
+from raylm.configs.scheduler_defaults import UsageContext, resolve_scheduler_config
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,13 @@ def decide_executor_backend(parallel: ParallelConfig, device: str, env: Environm
 
 
 def resolve_config(config: EngineConfig, model_info: ModelInfo, env: EnvironmentFacts,
-                   draft_model_info: ModelInfo | None = None) -> EngineConfig:
+                   draft_model_info: ModelInfo | None = None,
+                   usage_context: UsageContext = "engine_context") -> EngineConfig:
     """`config` (its model a local checkpoint, whose facts are `model_info`; a draft checkpoint's are
     `draft_model_info`) with every decision made: `resolution` set, and the sections' `auto` fields filled in
     (max_model_len, tokenizer, speculative and LoRA defaults, the KV connector). What the checkpoint or the
-    environment cannot run is refused here, naming the field."""
+    environment cannot run is refused here, naming the field. `usage_context` is the entrypoint running the engine
+    (its scheduler defaults differ: configs/scheduler_defaults.py)."""
     model_config, parallel, scheduler = config.model_config, config.parallel_config, config.scheduler_config
     assert model_config.model is not None, "the engine resolves model=None to a checkpoint first"
     # The checkpoint first: what it cannot run fails here, before any connection to Ray or placement.
@@ -128,7 +131,9 @@ def resolve_config(config: EngineConfig, model_info: ModelInfo, env: Environment
         config,
         model_config=model_config.model_copy(update={
             "max_model_len": max_model_len, "tokenizer": model_config.tokenizer or model_config.model}),
-        scheduler_config=scheduler.model_copy(update={"async_scheduling": scheduler.async_scheduling and pp == 1}),
+        scheduler_config=resolve_scheduler_config(
+            scheduler.model_copy(update={"async_scheduling": scheduler.async_scheduling and pp == 1}), device,
+            usage_context),
         speculative_config=speculative,
         kv_transfer_config=kv_transfer,
         lora_config=lora_config,

@@ -12,15 +12,21 @@ idle the device.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from raylm.configs.engine_config import SchedulerConfig
 
 CPU_SERVING_PREFILL_TOKENS = 32
 
+# Which entrypoint runs the engine (vLLM's UsageContext): the OpenAI server and Serve replicas stream tokens to
+# waiting clients; an `LLM`, a batch job or an engine used directly want throughput.
+UsageContext = Literal["llm_class", "openai_api_server", "openai_batch_runner", "engine_context"]
 
-def resolve_scheduler_config(config: SchedulerConfig, device: str, serving: bool) -> SchedulerConfig:
+
+def resolve_scheduler_config(config: SchedulerConfig, device: str, usage_context: UsageContext) -> SchedulerConfig:
     """`config` with `max_prefill_tokens_with_decodes` decided where it is None, for `device` ("cpu" or "cuda") and
-    the entrypoint (`serving`: an OpenAI server or Serve replica streams tokens; False: an offline `LLM`)."""
+    the entrypoint (`usage_context`: only the OpenAI server and Serve replicas stream tokens to waiting clients)."""
     if config.max_prefill_tokens_with_decodes is not None:
         return config
-    on = device == "cpu" and serving and config.enable_chunked_prefill
+    on = device == "cpu" and usage_context == "openai_api_server" and config.enable_chunked_prefill
     return config.model_copy(update={"max_prefill_tokens_with_decodes": CPU_SERVING_PREFILL_TOKENS if on else 0})

@@ -54,7 +54,7 @@ async def _answer_here(config: EngineConfig, lines: list[str], progress: tqdm) -
     from raylm.cluster.engine.async_llm import AsyncLLM
     from raylm.cluster.entrypoints.openai.api_server import model_router
 
-    engine = AsyncLLM(config)
+    engine = AsyncLLM(config, usage_context="openai_batch_runner")
     try:
         await engine.wait_until_ready()
         router = model_router(engine)

@@ -38,13 +38,16 @@ from raylm.cluster.models.default_model import served_model_name
 from raylm.common.lora_request import LoRARequest
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
+from raylm.configs.scheduler_defaults import UsageContext
 
 logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLogger] = ()) -> None:
+    def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLogger] = (),
+                 usage_context: UsageContext = "engine_context") -> None:
         self.config = config
+        self.usage_context: UsageContext = usage_context
         self.model_name: str = served_model_name(config.model_config)
         self.stat_loggers = list(stat_loggers)
         observability = config.observability_config
@@ -158,7 +161,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
-            self._engine = LLMEngine(self.config)
+            self._engine = LLMEngine(self.config, self.usage_context)
         except BaseException as err:
             logger.exception("the engine failed to start")
             self._fail(f"the engine failed to start: {type(err).__name__}: {err}")

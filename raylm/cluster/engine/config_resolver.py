@@ -16,12 +16,14 @@ from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.model_info import ModelInfo, explain_dtype, read_model_info
 from raylm.configs.resolve import Deployment, resolve_config, resolve_deployment
+from raylm.configs.scheduler_defaults import UsageContext
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_engine_config(config: EngineConfig) -> EngineConfig:
-    """`config` with every decision made (configs/resolve.py); a resolved config comes back as it is."""
+def resolve_engine_config(config: EngineConfig, usage_context: UsageContext = "engine_context") -> EngineConfig:
+    """`config` with every decision made (configs/resolve.py) for the entrypoint `usage_context`; a resolved config
+    comes back as it is."""
     if config.resolution is not None:
         return config
     config = dataclasses.replace(config, model_config=resolve_model(config.model_config))
@@ -32,7 +34,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     draft = None
     if spec is not None and spec.method == "draft_model" and spec.model is not None:
         draft = read_model_info(spec.model)
-    resolved = resolve_config(config, model_info, gather_environment(config), draft)
+    resolved = resolve_config(config, model_info, gather_environment(config), draft, usage_context)
     _log_engine_config(resolved)
     return resolved
 

@@ -26,6 +26,7 @@ from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig, make_engine_config
 from raylm.configs.gguf_metadata import get_tokenizer
 from raylm.configs.model_info import ModelInfo
+from raylm.configs.scheduler_defaults import UsageContext
 
 if TYPE_CHECKING:
     from raylm.cluster.dp.dp_client import DPEngineCoreClient
@@ -35,8 +36,8 @@ FRONTEND_TRACE_PID = 1_000_000  # the process that runs LLMEngine, when the engi
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        config = resolve_engine_config(config)
+    def __init__(self, config: EngineConfig, usage_context: UsageContext = "engine_context") -> None:
+        config = resolve_engine_config(config, usage_context)
         self.config = config
         self.model_info: ModelInfo = config.model_info
         assert config.model_config.tokenizer is not None, "resolution sets the tokenizer (the model's by default)"

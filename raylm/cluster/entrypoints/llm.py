@@ -32,7 +32,7 @@ class LLM:
     def from_engine_config(cls, config: EngineConfig) -> LLM:
         """An LLM over a config built (or resolved) beforehand."""
         llm = cls.__new__(cls)
-        llm._start(LLMEngine(config))
+        llm._start(LLMEngine(config, "llm_class"))
         return llm
 
     def _start(self, engine: LLMEngine) -> None:

@@ -69,7 +69,7 @@ class LLMEngineServer(LLMServerHandles):
         model_name = served_model_name(config.model_config)
         self.metrics = PrometheusStatLogger(model_name, replica)
         ray_metrics = RayPrometheusStatLogger(model_name, replica)
-        self.engine = AsyncLLM(config, stat_loggers=[self.metrics, ray_metrics])
+        self.engine = AsyncLLM(config, stat_loggers=[self.metrics, ray_metrics], usage_context="openai_api_server")
         await self.engine.wait_until_ready()
         router = self.router = model_router(self.engine)
         self.asgi_app = build_fastapi_app(router, config.serving_config.api_key, self.metrics)

@@ -81,7 +81,7 @@ def build_app(router: ModelRouter, api_key: str | None = None, metrics: Promethe
 def build_engine_app(config: EngineConfig) -> tuple[FastAPI, AsyncLLM]:
     """The app over one engine in this process; the engine loads in the background (/health says when)."""
     metrics = PrometheusStatLogger(served_model_name(config.model_config))
-    engine = AsyncLLM(config, stat_loggers=[metrics])
+    engine = AsyncLLM(config, stat_loggers=[metrics], usage_context="openai_api_server")
 
     @asynccontextmanager
     async def stop_engine_on_exit(_: FastAPI) -> AsyncIterator[None]:
