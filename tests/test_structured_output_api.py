@@ -231,7 +231,8 @@ def test_guided_decoding_backend_picks_the_backend(client: openai.OpenAI, server
         ({"structured_outputs": {"structural_tag": '{"structures": [], "triggers": []}'},
           "guided_decoding_backend": "guidance"}, "structured_outputs", "guidance backend does not support"),
         ({"guided_regex": "a+", "guided_decoding_backend": "outlines"}, "guided_decoding_backend",
-         "'outlines' is not a grammar backend of this engine; use one of 'auto', 'xgrammar', 'guidance'"),
+         "'outlines' is not a grammar backend of this engine (its structured_outputs_backend is 'auto'); use one of "
+         "'auto', 'xgrammar', 'guidance'"),
         ({"guided_decoding_backend": "xgrammar:no-fallback"}, "guided_decoding_backend", "'xgrammar:no-fallback'"),
         ({"guided_json": SPACED, "guided_whitespace_pattern": " ", "guided_decoding_backend": "xgrammar"},
          "guided_json", "the xgrammar backend takes no whitespace_pattern"),

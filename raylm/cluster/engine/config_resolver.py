@@ -49,21 +49,32 @@ def _log_engine_config(config: EngineConfig) -> None:
     """The one start-up line of the engine's config: every decision, and why where it may surprise."""
     resolved, model_config = config.resolved, config.model_config
     model_info: ModelInfo = resolved.model_info
-    graphs = resolved.cudagraph
     show_info(logger)
     logger.info("engine config: model %s (%s), device %s, dtype %s, quantization %s, attention %s, executor %s%s, "
                 "cudagraph_mode %s%s, max_model_len %s, %d step(s) in flight, routing %s, grammars %s%s",
                 model_config.served_model_name, model_info.architecture, resolved.device,
                 explain_dtype(model_config, model_info, resolved.device), resolved.quantization,
                 resolved.attention_backend, resolved.executor_backend,
-                ", lock-step DP" if resolved.dp_lockstep else "", graphs.mode,
-                f" (no FULL graphs: {graphs.why_no_full})" if graphs.why_no_full else "",
+                ", lock-step DP" if resolved.dp_lockstep else "", resolved.cudagraph.mode, _graph_detail(config),
                 model_config.max_model_len, resolved.max_concurrent_batches, resolved.routing_policy,
                 "/".join(resolved.structured_outputs_backends) or "none",
                 "" if config.kv_transfer_config.kv_connector is None else
                 f", KV connector {config.kv_transfer_config.kv_connector} ({config.kv_transfer_config.kv_role})")
     if config.speculative_config is not None:
         logger.info("speculative decoding: %s", config.speculative_config.model_dump(exclude_none=True))
+
+
+def _graph_detail(config: EngineConfig) -> str:
+    """Why FULL graphs were turned off, or the batch sizes captured and which setting chose them."""
+    graphs, compilation = config.resolved.cudagraph, config.compilation_config
+    if graphs.why_no_full:
+        return f" (no FULL graphs: {graphs.why_no_full})"
+    if not graphs.capture_sizes:
+        return ""
+    source = ("cudagraph_capture_sizes" if compilation.cudagraph_capture_sizes is not None else
+              "max_cudagraph_capture_size" if compilation.max_cudagraph_capture_size is not None else "default")
+    return f" (batch sizes {graphs.capture_sizes[0]}-{graphs.capture_sizes[-1]}, {len(graphs.capture_sizes)} " \
+           f"graphs, {source})"
 
 
 def decide_device(model_config: ModelConfig, parallel_config: ParallelConfig) -> str:

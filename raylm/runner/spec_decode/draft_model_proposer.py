@@ -33,8 +33,11 @@ from raylm.runner.spec_decode.spec_sampling import DRAFT_SALT
 class DraftModelProposer(Proposer):
     def __init__(self, config: EngineConfig, draft: ModelInfo, attn_backend: AttentionBackend, dtype: torch.dtype,
                  device: torch.device) -> None:
-        assert config.speculative_config is not None
-        self.k = config.speculative_config.num_speculative_tokens
+        spec = config.speculative_config
+        assert spec is not None
+        # The draft's layers shard over the target's TP group: resolution allows no other draft_tensor_parallel_size.
+        assert spec.draft_tensor_parallel_size == config.parallel_config.tensor_parallel_size
+        self.k = spec.num_speculative_tokens
         self.draft, self.attn_backend, self.dtype, self.device = draft, attn_backend, dtype, device
         block_size = config.cache_config.block_size
         max_model_len = config.model_config.max_model_len

@@ -108,7 +108,9 @@ def _backends(engine_config: EngineConfig, named: str | None) -> tuple[str, ...]
     if named is None or named == "auto":
         return backends
     if named not in backends:
-        raise OpenAIError(f"guided_decoding_backend: {named!r} is not a grammar backend of this engine; use one of "
+        setting = engine_config.structured_outputs_config.structured_outputs_backend
+        raise OpenAIError(f"guided_decoding_backend: {named!r} is not a grammar backend of this engine (its "
+                          f"structured_outputs_backend is {setting!r}); use one of "
                           f"{', '.join(repr(b) for b in ('auto', *backends))}, or leave it out", param=
                           "guided_decoding_backend")
     return (named,)
