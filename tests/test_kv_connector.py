@@ -219,7 +219,9 @@ def test_pair_of_another_kv_identity_is_refused(engines: dict[str, LLM], llama_p
     """A decode engine of the same checkpoint and shapes whose KV would differ (quantized weights, another dtype)
     refuses the prefill's KV, naming the field, recomputes, and says so in the output."""
     [(name, value)] = other.items()
-    decode = LLM(model=str(llama_path), kv_connector="RayKVConnector", kv_role="kv_consumer", **ENGINE, **other)
+    # float32 unless the case changes the dtype: int8 weights alone would compute bfloat16 on a bfloat16 CPU
+    decode = LLM(model=str(llama_path), kv_connector="RayKVConnector", kv_role="kv_consumer", **ENGINE,
+                 **{"dtype": "float32", **other})
     try:
         prompts = token_prompts((40,), seed=11)
         expected = tokens(decode.generate(prompts, GREEDY, use_tqdm=False))
