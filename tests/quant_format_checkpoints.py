@@ -80,7 +80,12 @@ def write_gptq(src: Path, out: Path, desc_act: bool, sym: bool, group_size: int 
                     "attention_mask": torch.ones(1, 32, dtype=torch.long)} for _ in range(8)]
     model = GPTQModel.load(str(src), QuantizeConfig(bits=4, group_size=group_size, desc_act=desc_act, sym=sym),
                            device="cpu")
-    model.quantize(calibration, batch_size=1)
+    cwd = os.getcwd()
+    os.chdir(out.parent)  # GPTQModel writes its timing logs under ./logs: not in the checkout
+    try:
+        model.quantize(calibration, batch_size=1)
+    finally:
+        os.chdir(cwd)
     model.save(str(out))
     return out
 
