@@ -167,39 +167,37 @@ def test_bf16_engine_follows_transformers_in_bf16(arch: str, schedule: dict, che
     assert diverged <= 2, f"{diverged} of {len(prompts)} sequences left transformers' tokens"
 
 
-def test_auto_picks_bf16_on_cpu_for_16_bit_or_quantized_weights_on_a_bf16_cpu(llama_path: Path,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_picks_bf16_on_cpu_for_16_bit_or_quantized_weights_on_a_bf16_cpu(llama_path: Path) -> None:
     info = read_model_info(str(llama_path))
     auto, sixteen_bit = ModelConfig(dtype="auto"), dataclasses.replace(info, checkpoint_dtype="bfloat16")
     for has_bf16 in (True, False):
-        monkeypatch.setattr(model_info, "cpu_multiplies_bf16", lambda has=has_bf16: has)
+        cpu = "AVX512-BF16" if has_bf16 else ""
         bf16_if_the_cpu_has_it = "bfloat16" if has_bf16 else "float32"
-        assert resolve_dtype(auto, sixteen_bit, "cpu") == bf16_if_the_cpu_has_it
-        assert resolve_dtype(auto, dataclasses.replace(info, checkpoint_dtype="float16"), "cpu") == (
+        assert resolve_dtype(auto, sixteen_bit, "cpu", cpu) == bf16_if_the_cpu_has_it
+        assert resolve_dtype(auto, dataclasses.replace(info, checkpoint_dtype="float16"), "cpu", cpu) == (
             bf16_if_the_cpu_has_it)
-        assert resolve_dtype(auto, info, "cpu") == "float32"  # a float32 checkpoint keeps float32 (the oracle's)
+        assert resolve_dtype(auto, info, "cpu", cpu) == "float32"  # a float32 checkpoint keeps float32 (the oracle's)
         for method in ("int8", "int4"):  # quantized weights compute in bfloat16, whatever the checkpoint stored
             for checkpoint in (info, sixteen_bit):
-                assert resolve_dtype(ModelConfig(dtype="auto", quantization=method), checkpoint, "cpu") == (
+                assert resolve_dtype(ModelConfig(dtype="auto", quantization=method), checkpoint, "cpu", cpu) == (
                     bf16_if_the_cpu_has_it)
-        assert resolve_dtype(ModelConfig(dtype="float32", quantization="int4"), info, "cpu") == "float32"
-        assert resolve_dtype(ModelConfig(dtype="float32"), sixteen_bit, "cpu") == "float32"
-        assert resolve_dtype(ModelConfig(dtype="bfloat16"), info, "cpu") == "bfloat16"
-        assert resolve_dtype(auto, info, "cuda") == "bfloat16"
+        assert resolve_dtype(ModelConfig(dtype="float32", quantization="int4"), info, "cpu", cpu) == "float32"
+        assert resolve_dtype(ModelConfig(dtype="float32"), sixteen_bit, "cpu", cpu) == "float32"
+        assert resolve_dtype(ModelConfig(dtype="bfloat16"), info, "cpu", cpu) == "bfloat16"
+        assert resolve_dtype(auto, info, "cuda", cpu) == "bfloat16"
 
 
-def test_the_dtype_line_says_why(llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_dtype_line_says_why(llama_path: Path) -> None:
     info = read_model_info(str(llama_path))
     int4 = ModelConfig(dtype="auto", quantization="int4")
-    monkeypatch.setattr(model_info, "cpu_multiplies_bf16", lambda: True)
-    monkeypatch.setattr(model_info, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    assert explain_dtype(int4, info, "cpu") == "bfloat16 (auto: quantized int4 weights, CPU has AVX512-BF16)"
-    assert explain_dtype(ModelConfig(dtype="auto"), dataclasses.replace(info, checkpoint_dtype="float16"), "cpu") == (
+    cpu = "AVX512-BF16"
+    assert explain_dtype(int4, info, "cpu", cpu) == "bfloat16 (auto: quantized int4 weights, CPU has AVX512-BF16)"
+    float16 = dataclasses.replace(info, checkpoint_dtype="float16")
+    assert explain_dtype(ModelConfig(dtype="auto"), float16, "cpu", cpu) == (
         "bfloat16 (auto: float16 checkpoint, CPU has AVX512-BF16)")
-    assert explain_dtype(ModelConfig(dtype="auto"), info, "cpu") == "float32 (auto: float32 checkpoint)"
-    assert explain_dtype(ModelConfig(dtype="float32", quantization="int4"), info, "cpu") == "float32 (set)"
-    monkeypatch.setattr(model_info, "cpu_multiplies_bf16", lambda: False)
-    assert explain_dtype(int4, info, "cpu") == (
+    assert explain_dtype(ModelConfig(dtype="auto"), info, "cpu", cpu) == "float32 (auto: float32 checkpoint)"
+    assert explain_dtype(ModelConfig(dtype="float32", quantization="int4"), info, "cpu", cpu) == "float32 (set)"
+    assert explain_dtype(int4, info, "cpu", "") == (
         "float32 (auto: quantized int4 weights, but no bfloat16 dot products on this CPU)")
 
 

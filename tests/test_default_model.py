@@ -14,7 +14,7 @@ from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.entrypoints.cli import main
 from raylm.cluster.models.default_gguf import default_gguf_path
 from raylm.configs.engine_config import ModelConfig
-from raylm.configs.model_info import cpu_multiplies_bf16, read_model_info, resolve_dtype
+from raylm.configs.model_info import cpu_bf16_instructions, cpu_multiplies_bf16, read_model_info, resolve_dtype
 from tests.reference import assert_equal_but_near_ties, greedy_with_logits
 
 pytestmark = [pytest.mark.slow,
@@ -65,7 +65,7 @@ def test_default_dtype_follows_transformers_in_bf16() -> None:
 
     path = default_gguf_path()
     assert path is not None
-    assert resolve_dtype(ModelConfig(), read_model_info(str(path)), "cpu") == (
+    assert resolve_dtype(ModelConfig(), read_model_info(str(path)), "cpu", cpu_bf16_instructions()) == (
         "bfloat16" if cpu_multiplies_bf16() else "float32")
     llm = LLM(model=str(path), dtype="auto" if cpu_multiplies_bf16() else "bfloat16", max_model_len=256,
               enable_prefix_caching=False)

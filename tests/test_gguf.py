@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from raylm.cluster import LLM, SamplingParams
 from raylm.configs.engine_config import ModelConfig
 from raylm.configs.gguf_metadata import gguf_tokenizer, read_gguf_config
-from raylm.configs.model_info import cpu_multiplies_bf16, read_model_info, resolve_dtype
+from raylm.configs.model_info import cpu_bf16_instructions, cpu_multiplies_bf16, read_model_info, resolve_dtype
 from scripts.gguf_to_safetensors import write_float32_checkpoint
 from tests.gguf_files import write_gguf
 from tests.reference import TOP_K, assert_equal_but_near_ties, check_logprobs_close, greedy_with_logits
@@ -130,7 +130,7 @@ def test_default_dtype_follows_transformers_in_bf16(gguf_file: tuple[Path, Path]
     against transformers loading the same file in bfloat16: equal greedy tokens, except at a near-tie."""
     checkpoint, path = gguf_file
     prompts = [*_prompts(), list(range(100, 117)), [7]]
-    assert resolve_dtype(ModelConfig(), read_model_info(str(path)), "cpu") == (
+    assert resolve_dtype(ModelConfig(), read_model_info(str(path)), "cpu", cpu_bf16_instructions()) == (
         "bfloat16" if cpu_multiplies_bf16() else "float32")
     llm = LLM(model=str(path), dtype="auto" if cpu_multiplies_bf16() else "bfloat16", max_model_len=128,
               enable_prefix_caching=False, max_num_seqs=8)

@@ -21,7 +21,7 @@ from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.configs import model_info
 from raylm.configs.engine_config import ModelConfig
-from raylm.configs.model_info import cpu_multiplies_bf16, read_model_info, resolve_dtype
+from raylm.configs.model_info import cpu_bf16_instructions, cpu_multiplies_bf16, read_model_info, resolve_dtype
 from raylm.runner import cpu_kernels
 from raylm.runner.layers.cpu_gemm import KERNELS, ROW_BUCKETS, GemmPlan
 from raylm.runner.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -95,7 +95,8 @@ def test_default_dtype_follows_the_twin_in_bf16(checkpoints: dict[str, Path], me
     the dequantized twin in bfloat16: equal greedy tokens, except at a near-tie."""
     twin = _fake_quantized(checkpoints["llama"], method, tmp_path / "twin")
     prompts = [*PROMPTS, list(range(200, 240)), [9, 8, 7]]
-    assert resolve_dtype(ModelConfig(quantization=method), read_model_info(str(checkpoints["llama"])), "cpu") == (
+    info = read_model_info(str(checkpoints["llama"]))
+    assert resolve_dtype(ModelConfig(quantization=method), info, "cpu", cpu_bf16_instructions()) == (
         "bfloat16" if cpu_multiplies_bf16() else "float32")
     llm = LLM(model=str(checkpoints["llama"]), quantization=method, max_num_seqs=8,
               **{**ENGINE, "dtype": "auto" if cpu_multiplies_bf16() else "bfloat16"})

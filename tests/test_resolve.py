@@ -66,6 +66,10 @@ def test_a_cpu_host(llama: ModelInfo) -> None:
         resolve(llama, no_kernels, attention_backend="cpu")
     with pytest.raises(ValueError, match="needs the llguidance package, which is not installed"):
         resolve(llama, dataclasses.replace(CPU_HOST, installed_packages=frozenset({"xgrammar"})))
+    # Quantized weights compute in bfloat16 on a CPU whose facts name bfloat16 dot products, float32 on one without.
+    bf16_cpu = dataclasses.replace(CPU_HOST, cpu_bf16_instructions="AVX512-BF16")
+    assert resolve(llama, bf16_cpu, quantization="int8").resolved.dtype == "bfloat16"
+    assert resolve(llama, CPU_HOST, quantization="int8").resolved.dtype == "float32"
 
 
 def test_a_gpu_host(llama: ModelInfo) -> None:

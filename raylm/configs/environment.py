@@ -19,6 +19,8 @@ class EnvironmentFacts:
     ray_nodes: tuple[Bundle, ...] = ()
     # Attention kernels ("flash_attn", "triton", "cpu") that cannot run here -> why; those absent can.
     missing_kernels: Mapping[str, str] = field(default_factory=dict)
+    # This CPU's bfloat16 dot-product instructions by name, "" where none (model_info.cpu_bf16_instructions).
+    cpu_bf16_instructions: str = ""
     triton_interpret: bool = False  # TRITON_INTERPRET=1: triton kernels run on CPU tensors (tests)
     installed_packages: frozenset[str] = frozenset()  # optional packages among those resolution asks about
     architectures: tuple[str, ...] = ()  # model classes raylm has (runner/models/registry.py)

@@ -76,9 +76,11 @@ def read_model_info(model_path: str) -> ModelInfo:
     )
 
 
-def resolve_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type: str) -> str:
+def resolve_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type: str, cpu_bf16_instructions: str
+                  ) -> str:
     """The dtype setting, or for "auto":
-    - on CPU, bfloat16 where the CPU multiplies bfloat16 in hardware (cpu_multiplies_bf16) and the weights are either
+    - on CPU, bfloat16 where the CPU multiplies bfloat16 in hardware (`cpu_bf16_instructions` names them: the
+      environment's fact, from cpu_bf16_instructions()) and the weights are either
       stored in 16 bits (bfloat16 or float16) or quantized (a GGUF file's blocks, `int8`, `int4`): activations, KV
       cache and attention in bfloat16, each quantized linear planned per shape and rows between its block kernel
       and the float kernels on a bfloat16 dequantized copy. A 16-bit checkpoint loses nothing that matters, and a
@@ -91,14 +93,15 @@ def resolve_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type:
         return model_config.dtype
     checkpoint = model_info.checkpoint_dtype
     if device_type == "cpu":
-        return "bfloat16" if _bf16_weights(model_config, model_info) and cpu_multiplies_bf16() else "float32"
+        return "bfloat16" if _bf16_weights(model_config, model_info) and cpu_bf16_instructions else "float32"
     return checkpoint if checkpoint is not None and checkpoint != "float32" else "bfloat16"
 
 
-def explain_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type: str) -> str:
+def explain_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type: str, cpu_bf16_instructions: str
+                  ) -> str:
     """The resolved dtype and why, for the engine-config line: e.g. "bfloat16 (auto: quantized gguf weights, CPU has
     AVX512-BF16)", "float32 (auto: float32 checkpoint)", "float32 (set)"."""
-    dtype = resolve_dtype(model_config, model_info, device_type)
+    dtype = resolve_dtype(model_config, model_info, device_type, cpu_bf16_instructions)
     if model_config.dtype != "auto":
         return f"{dtype} (set)"
     if device_type != "cpu":
@@ -108,7 +111,7 @@ def explain_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type:
         return f"{dtype} (auto: {model_info.checkpoint_dtype or 'float32'} checkpoint)"
     if dtype == "float32":
         return f"{dtype} (auto: {weights}, but no bfloat16 dot products on this CPU)"
-    return f"{dtype} (auto: {weights}, CPU has {_bf16_instructions()})"
+    return f"{dtype} (auto: {weights}, CPU has {cpu_bf16_instructions})"
 
 
 def _bf16_weights(model_config: ModelConfig, model_info: ModelInfo) -> str | None:
@@ -121,7 +124,11 @@ def _bf16_weights(model_config: ModelConfig, model_info: ModelInfo) -> str | Non
     return None
 
 
-def _bf16_instructions() -> str:
+def cpu_bf16_instructions() -> str:
+    """This CPU's bfloat16 dot-product instructions by name ("AVX512-BF16 and AMX-BF16"), "" where it has none that
+    raylm's kernels and oneDNN use (cpu_multiplies_bf16): an environment fact (configs/environment.py)."""
+    if not cpu_multiplies_bf16():
+        return ""
     flags = _cpu_flags()
     return " and ".join(name for flag, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
                         if flag in flags) or "bfloat16 dot products"

@@ -102,7 +102,7 @@ def resolve_config(config: EngineConfig, model_info: ModelInfo, env: Environment
     kv_transfer = resolve_kv_transfer(config)
     deployment = resolve_deployment(config, env)
     device = deployment.device
-    dtype = resolve_dtype(model_config, model_info, device)
+    dtype = resolve_dtype(model_config, model_info, device, env.cpu_bf16_instructions)
     if dp_lockstep and scheduler.async_scheduling:
         raise ValueError("async_scheduling is not supported with expert-parallel data parallel (MoE with "
                          "enable_expert_parallel and data_parallel_size > 1): its engines step in lock-step")

@@ -14,6 +14,7 @@ from raylm.cluster.engine.environment import gather_environment
 from raylm.cluster.models.default_model import resolve_model
 from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
+from raylm.configs.environment import EnvironmentFacts
 from raylm.configs.model_info import ModelInfo, explain_dtype, read_model_info
 from raylm.configs.resolve import Deployment, resolve_config, resolve_deployment
 from raylm.configs.scheduler_defaults import UsageContext
@@ -34,8 +35,9 @@ def resolve_engine_config(config: EngineConfig, usage_context: UsageContext = "e
     draft = None
     if spec is not None and spec.method == "draft_model" and spec.model is not None:
         draft = read_model_info(spec.model)
-    resolved = resolve_config(config, model_info, gather_environment(config), draft, usage_context)
-    _log_engine_config(resolved)
+    env = gather_environment(config)
+    resolved = resolve_config(config, model_info, env, draft, usage_context)
+    _log_engine_config(resolved, env)
     return resolved
 
 
@@ -45,7 +47,7 @@ def resolve_deployment_here(config: EngineConfig) -> Deployment:
     return resolve_deployment(config, gather_environment(config, kernels=False))
 
 
-def _log_engine_config(config: EngineConfig) -> None:
+def _log_engine_config(config: EngineConfig, env: EnvironmentFacts) -> None:
     """The one start-up line of the engine's config: every decision, and why where it may surprise."""
     resolved, model_config = config.resolved, config.model_config
     model_info: ModelInfo = resolved.model_info
@@ -53,7 +55,8 @@ def _log_engine_config(config: EngineConfig) -> None:
     logger.info("engine config: model %s (%s), device %s, dtype %s, quantization %s, attention %s, executor %s%s, "
                 "cudagraph_mode %s%s, max_model_len %s, %d step(s) in flight, routing %s, grammars %s%s",
                 model_config.served_model_name, model_info.architecture, resolved.device,
-                explain_dtype(model_config, model_info, resolved.device), resolved.quantization,
+                explain_dtype(model_config, model_info, resolved.device, env.cpu_bf16_instructions),
+                resolved.quantization,
                 resolved.attention_backend, resolved.executor_backend,
                 ", lock-step DP" if resolved.dp_lockstep else "", resolved.cudagraph.mode, _graph_detail(config),
                 model_config.max_model_len, resolved.max_concurrent_batches, resolved.routing_policy,

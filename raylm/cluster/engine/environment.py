@@ -12,6 +12,7 @@ import torch
 
 from raylm.configs import EngineConfig
 from raylm.configs.environment import EnvironmentFacts
+from raylm.configs.model_info import cpu_bf16_instructions
 from raylm.configs.resolve_sections import GRAMMAR_PACKAGES
 from raylm.executor.ray_cluster import cluster_nodes, join_ray_cluster, ray_reachable
 from raylm.runner.attention import missing_kernels, triton_interpret
@@ -31,6 +32,7 @@ def gather_environment(config: EngineConfig, kernels: bool = True) -> Environmen
         cpu_count=os.cpu_count() or 1,
         ray_connected=connected,
         ray_nodes=tuple(cluster_nodes()) if connected else (),
+        cpu_bf16_instructions=cpu_bf16_instructions(),
         triton_interpret=triton_interpret(),
         installed_packages=frozenset(name for name in GRAMMAR_PACKAGES.values()
                                      if importlib.util.find_spec(name) is not None),
