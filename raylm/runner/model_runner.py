@@ -8,7 +8,8 @@ The parts: InputBatch (the requests' rows), InputBuffers (the packed step), Batc
 mode, padding, micro-batches, DP coordination), DecodeGraphs (FULL CUDA graphs), ProfileRun (the memory profile),
 SleepMode, the Sampler and PromptLogprobsProcessor. `_run_forward` is the only caller of the model: every forward (a
 step, a dummy batch, the profile run) takes the batch decision first, so under lock-step data parallel no rank can
-skip a collective the others wait in.
+skip a collective the others wait in. Over 300 lines: the two halves of a step share the kept state
+(ExecuteModelState) and every part, and read best side by side.
 """
 from __future__ import annotations
 

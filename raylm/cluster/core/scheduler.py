@@ -5,6 +5,10 @@ running requests first, then waiting ones, preempting when the KV pool runs dry.
 Protocol with the engine: call `schedule()`, run the step, then `update_from_output()` with that
 step's output; with several steps in flight, updates come back in schedule order. Request ids
 must be unique over the engine's lifetime (outputs of removed requests are recognised by id).
+
+Over 300 lines because schedule() and update_from_output() are one concept sharing the queues and the KV state (vLLM's
+is one file of ~1,500); what they use has a file of its own (step_budget, request_queue, kv_cache_manager,
+stop_checker, spec_decode, lora_scheduling, kv_transfer_tracker).
 """
 from __future__ import annotations
 

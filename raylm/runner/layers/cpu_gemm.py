@@ -1,4 +1,5 @@
 """Linear layers on CPU: for each weight shape and batch size, the kernel that measured fastest on this machine.
+(Over 300 lines: the plan, its timing and the layer that follows it are one decision; the kernels are elsewhere.)
 
 Three kernels compute y = x W^T (+ b), summing in float32: `sgemm`, torch's F.linear on the weight as stored (MKL's
 or OpenBLAS's sgemm; oneDNN's for bfloat16); `onednn`, oneDNN's matmul on a copy of the weight reordered once into its

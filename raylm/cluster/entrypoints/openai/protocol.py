@@ -2,7 +2,8 @@
 
 Sampling fields include vLLM's extensions (top_k, min_p, ignore_eos, min_tokens, repetition_penalty, ...); vLLM's
 fields raylm does not implement are refused at any value that would change something (unsupported_fields.py).
-Other fields are accepted, ignored and logged, as vLLM does (load tools send extras).
+Other fields are accepted, ignored and logged, as vLLM does (load tools send extras). Over 300 lines: one schema,
+read as a whole (vLLM's protocol.py is one file too); the messages and refused fields have files of their own.
 """
 from __future__ import annotations
 
