@@ -13,6 +13,11 @@ if [ ! -f "$stamp" ]; then
   if command -v nvidia-smi >/dev/null 2>&1; then torch_pin="torch"; fi
   .venv/bin/pip install --quiet "$torch_pin"
   .venv/bin/pip install --quiet -e ".[dev]" "$torch_pin"
+  # The quantized-format tests' tools (pyproject's quant-formats extra): GPTQModel's own metadata would pull another
+  # numpy and torchao, so it goes in without its dependencies, beside the few it imports.
+  .venv/bin/pip install --quiet "compressed-tensors==0.20.1" "optimum==2.3.0" "$torch_pin"
+  .venv/bin/pip install --quiet --no-deps "GPTQModel==7.6.0" "Defuser==0.0.28" "Device-SMI==0.5.7" "LogBar==0.4.15" \
+    "PyPcre==0.6.4" "TokeNicer==0.0.14" "threadpoolctl==3.8.0"
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
