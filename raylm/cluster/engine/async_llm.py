@@ -1,8 +1,7 @@
-"""AsyncLLM: the engine behind asyncio frontends (the OpenAI app, Ray Serve replicas).
-
-One background thread owns the LLMEngine: it builds it, then steps it while there is work and sleeps on a
-condition when there is none. Frontends reach it through commands (add, abort, health check) that the thread
-applies between steps; each request's outputs go back to an asyncio.Queue on the caller's event loop.
+"""AsyncLLM: the engine behind asyncio frontends (the OpenAI app, Ray Serve replicas, batch replicas).
+One background thread owns the LLMEngine: it builds it, steps it while there is work, sleeps on a condition when
+there is none, and applies the frontends' commands (add, abort, health check) between steps; each request's outputs
+go back to an asyncio.Queue on the caller's event loop.
 """
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLogger] = (),
                  usage_context: UsageContext = "engine_context") -> None:
-        self.config = config
-        self.usage_context: UsageContext = usage_context
+        self.config, self.usage_context = config, usage_context
         self.model_name: str = served_model_name(config.model_config)
         self.stat_loggers = list(stat_loggers)
         observability = config.observability_config

@@ -1,9 +1,7 @@
 """RayKVConnector: disaggregated prefill on Ray. A prefill engine (kv_producer) computes a prompt's KV; a decode engine
 (kv_consumer) receives it and decodes, as vLLM's P/D connectors do.
-
-The caller (raylm's Serve PD proxy, or any client) sends the prompt to the prefill engine with max_tokens 1 and
-`kv_transfer_params: {"do_remote_decode": true}`; the finished request's output carries kv_transfer_params naming the
-transfer, which the caller passes on with the same prompt to a decode engine.
+The caller (the Serve PD proxy, any client) sends the prompt to the prefill engine (max_tokens 1, `do_remote_decode`),
+then passes the kv_transfer_params its output names, with the same prompt, to a decode engine.
 
 Producer, kv_transport object_store: in the step that completes the prompt, each attention layer's blocks are copied
 out as soon as the layer has written them (save_kv_layer) and put into Ray's object store on a sender thread while the
@@ -12,11 +10,9 @@ stay held (delay_free) until the puts are done. kv_transport p2p: wait_for_save 
 a decode worker has taken them over a direct channel (p2p_channel.py) or kv_transfer_timeout_s passes. Consumer: the
 prompt's tokens but the last are external; the request waits in WAITING_FOR_REMOTE_KVS while a thread takes the
 transfer the params name (from that KVStore, or from the prefill worker), layer by layer, into the blocks past its own
-prefix-cache hit; the last prompt token is computed here and gives the first sampled token. The KV never passes through
-a driver.
+prefix-cache hit; the last prompt token is computed here and gives the first sampled token (never via a driver).
 
-The pair check (KV identity, adapter, token count, block size, layers, prompt digest) and what happens to a refused
-or missing transfer (recomputed, `kv_load_error`): docs/kv-connector.md.
+The pair check and a refused or missing transfer (recomputed, `kv_load_error`): docs/kv-connector.md.
 """
 from __future__ import annotations
 
