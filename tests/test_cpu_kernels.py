@@ -168,7 +168,7 @@ def test_backend_choice_and_errors() -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         choose_attn_backend("cpu", "cpu", torch.float32, 8)
     assert choose_attn_backend("auto", "cpu", torch.bfloat16, 16) == CPUAttentionBackend.name
-    with pytest.raises(ValueError, match="float32 or bfloat16 on CPU"):
+    with pytest.raises(ValueError, match="it runs float32 or bfloat16 \\(dtype here: float16\\)"):
         choose_attn_backend("cpu", "cpu", torch.float16, 16)
     with pytest.raises(ValueError, match="custom_ops='none'"):
         make_engine_config(attention_backend="cpu", custom_ops="none")
