@@ -108,8 +108,12 @@ def test_coordinate_batch_across_dp_over_gloo(tmp_path: Path) -> None:
 
 # ---- the ModelRunner ------------------------------------------------------------------------------------------
 
-def make_runner(model: str) -> ModelRunner:
+def make_runner(model: str, lockstep: bool = False) -> ModelRunner:
+    """`lockstep`: the resolved config says the DP ranks step together (as resolution decides for MoE with expert
+    parallel over DP), here on a dense model so that its tokens are easy to check."""
     config = resolved_config(model=model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    if lockstep:
+        config = dataclasses.replace(config, resolution=dataclasses.replace(config.resolved, dp_lockstep=True))
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(num_blocks=16)
@@ -208,7 +212,7 @@ def test_padded_forward_samples_the_same(llama_path: Path, monkeypatch: pytest.M
 def _dp_runner(rank: int, store: str, model: str, out_dir: str) -> None:
     """Rank 0 serves a request for three steps; rank 1 is idle: two dummy batches and one empty step."""
     _init_dp2(rank, store)
-    runner = make_runner(model)
+    runner = make_runner(model, lockstep=True)
     descriptors: list[list[int] | None] = []
     assert runner.model is not None
     runner.model.register_forward_pre_hook(
