@@ -43,8 +43,8 @@ SEMANTIC_400_REASONS: tuple[tuple[str, str], ...] = (
     ("min_tokens is larger than max_tokens", r"^min_tokens must be <="),
     ("best_of is not n (raylm has no beam search)", r"^best_of must equal n"),
     ("an output constraint (response_format, structured_outputs, guided_*, forced tools) cannot be compiled or "
-     "enforced, or more than one is given", r"backend|not valid JSON|StructuredOutputsParams|only one output "
-                                            r"constraint|json_schema.schema: required"),
+     "enforced, more than one is given, or its fields contradict each other", r"backend|not valid JSON|"
+     r"StructuredOutputsParams|only one output constraint|json_schema.schema: required|contradict each other"),
     ("tool_choice does not match the tools, or needs --enable-auto-tool-choice", r"^tool_choice: "),
     ("guided_whitespace_pattern is given without a JSON constraint (or beside structured_outputs.whitespace_pattern); "
      "guided_decoding_backend names a backend this engine does not have", r"^guided_(whitespace_pattern|decoding_"
