@@ -91,7 +91,9 @@ class PrometheusStatLogger:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
     def engine_started(self, config: EngineConfig) -> None:
-        self.cache_config = config.cache_config
+        # The labels show what runs: the attention backend as resolved, not the setting's "auto".
+        self.cache_config = config.cache_config.model_copy(
+            update={"attention_backend": config.resolved.attention_backend})
         for engine_index in self._last_stats:
             self._set_cache_config_info(engine_index)
 
