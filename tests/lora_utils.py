@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from tests.reference import TOP_K
+from tests.reference import model_greedy
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -38,15 +38,4 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]],
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    results = []
-    for prompt in prompts:
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                             eos_token_id=None)
-        tops = []
-        for logits in out.logits:
-            values, ids = torch.log_softmax(logits[0].float(), dim=-1).topk(TOP_K)
-            tops.append(dict(zip(ids.tolist(), values.tolist())))
-        results.append((out.sequences[0, len(prompt):].tolist(), tops))
-    return results
+    return model_greedy(model.eval(), prompts, max_tokens)

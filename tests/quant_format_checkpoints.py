@@ -90,23 +90,12 @@ def write_gptq(src: Path, out: Path, desc_act: bool, sym: bool, group_size: int 
     return out
 
 
-@torch.inference_mode()
 def greedy(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int
            ) -> list[tuple[list[int], list[dict[int, float]]]]:
     """tests/reference.hf_greedy on a model already loaded (with a quantization config of its own)."""
-    from tests.reference import TOP_K
+    from tests.reference import model_greedy
 
-    results = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                             eos_token_id=None)
-        tops = []
-        for logits in out.logits:
-            values, ids = torch.log_softmax(logits[0].float(), dim=-1).topk(TOP_K)
-            tops.append(dict(zip(ids.tolist(), values.tolist())))
-        results.append((out.sequences[0, len(prompt):].tolist(), tops))
-    return results
+    return model_greedy(model, prompts, max_tokens)
 
 
 def _awq_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:

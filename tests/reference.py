@@ -16,17 +16,22 @@ NEAR_TIE = 0.02
 @torch.inference_mode()
 def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[dict[int, float]]]]:
     """Per prompt: the greedy tokens and, per position, the top-5 {token: logprob}."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompts, max_tokens)
+
+
+@torch.inference_mode()
+def model_greedy(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int
+                 ) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """hf_greedy on a model already loaded (a quantized one, a PEFT one, a GGUF one)."""
     results = []
     for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=0, eos_token_id=None)
         tokens = out.sequences[0, len(prompt):].tolist()
         tops = []
         for logits in out.logits:
-            logprobs = torch.log_softmax(logits[0].float(), dim=-1)
-            values, ids = logprobs.topk(TOP_K)
+            values, ids = torch.log_softmax(logits[0].float(), dim=-1).topk(TOP_K)
             tops.append(dict(zip(ids.tolist(), values.tolist())))
         results.append((tokens, tops))
     return results

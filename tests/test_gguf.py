@@ -18,7 +18,7 @@ from raylm.configs.gguf_metadata import gguf_tokenizer, read_gguf_config
 from raylm.configs.model_info import cpu_bf16_instructions, cpu_multiplies_bf16, read_model_info, resolve_dtype
 from scripts.gguf_to_safetensors import write_float32_checkpoint
 from tests.gguf_files import write_gguf
-from tests.reference import TOP_K, assert_equal_but_near_ties, check_logprobs_close, greedy_with_logits
+from tests.reference import TOP_K, assert_equal_but_near_ties, check_logprobs_close, greedy_with_logits, model_greedy
 
 Q = gguf.GGMLQuantizationType
 CASES = [("llama", Q.Q4_1), ("llama", Q.Q8_0), ("qwen2", Q.Q4_1), ("qwen2", Q.Q8_0), ("qwen3", Q.Q4_1)]
@@ -90,19 +90,8 @@ def _generate(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
-@torch.inference_mode()
 def _hf_generate(model: torch.nn.Module) -> list[tuple[list[int], list[dict[int, float]]]]:
-    results = []
-    for prompt in _prompts():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                             eos_token_id=None)
-        tops = []
-        for logits in out.logits:
-            values, ids = torch.log_softmax(logits[0].float(), dim=-1).topk(TOP_K)
-            tops.append(dict(zip(ids.tolist(), values.tolist())))
-        results.append((out.sequences[0, len(prompt):].tolist(), tops))
-    return results
+    return model_greedy(model, _prompts(), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("quantization", ["gguf", "none"])
