@@ -4,6 +4,7 @@ fsspec URI."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,13 +45,16 @@ def stable(body: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if body is None else {key: value for key, value in body.items() if key not in _VOLATILE}
 
 
-@pytest.fixture(scope="module")
-def answered_here(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    folder = tmp_path_factory.mktemp("run_batch")
-    write_requests(folder / "requests.jsonl")
-    assert main(["run-batch", "-i", f"file://{folder / 'requests.jsonl'}", "-o", str(folder / "results.jsonl"),
-                 *settings_flags(llama_path)]) == 0
-    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+def same_answer(left: Any, right: Any) -> bool:
+    """Equal, floats to 1e-5: a logprob's last bits depend on which requests shared its step (float32 sums in
+    another order), and the step a request lands in depends on timing."""
+    if isinstance(left, float) and isinstance(right, float):
+        return math.isclose(left, right, rel_tol=0, abs_tol=1e-5)
+    if isinstance(left, dict) and isinstance(right, dict):
+        return left.keys() == right.keys() and all(same_answer(left[key], right[key]) for key in left)
+    if isinstance(left, list) and isinstance(right, list):
+        return len(left) == len(right) and all(map(same_answer, left, right))
+    return bool(left == right)
 
 
 def test_run_batch_answers_as_the_server_does(llama_path: Path, answered_here: list[dict[str, Any]]) -> None:
@@ -61,7 +65,8 @@ def test_run_batch_answers_as_the_server_does(llama_path: Path, answered_here: l
             status, served = server.request("POST", url, body)
             assert output["response"]["status_code"] == status, custom_id
             if status == 200:
-                assert output["error"] is None and stable(output["response"]["body"]) == stable(served), custom_id
+                assert output["error"] is None, custom_id
+                assert same_answer(stable(output["response"]["body"]), stable(served)), (output, served)
             else:
                 assert output["response"]["body"] is None, custom_id
                 # The same error, word for word, where the same code makes it (a route missing is the HTTP app's).
@@ -93,7 +98,7 @@ def test_run_batch_on_a_pool_writes_to_a_uri(local_ray: None, llama_path: Path, 
     assert [output["custom_id"] for output in on_pool] == [custom_id for custom_id, _, _ in REQUESTS]
     for pooled, here in zip(on_pool, answered_here):
         assert pooled["response"]["status_code"] == here["response"]["status_code"], here["custom_id"]
-        assert stable(pooled["response"]["body"]) == stable(here["response"]["body"]), here["custom_id"]
+        assert same_answer(stable(pooled["response"]["body"]), stable(here["response"]["body"])), (pooled, here)
         assert pooled["error"] == here["error"], here["custom_id"]
 
 
