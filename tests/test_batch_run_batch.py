@@ -57,6 +57,15 @@ def same_answer(left: Any, right: Any) -> bool:
     return bool(left == right)
 
 
+@pytest.fixture(scope="module")
+def answered_here(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("run_batch")
+    write_requests(folder / "requests.jsonl")
+    assert main(["run-batch", "-i", f"file://{folder / 'requests.jsonl'}", "-o", str(folder / "results.jsonl"),
+                 *settings_flags(llama_path)]) == 0
+    return [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
+
+
 def test_run_batch_answers_as_the_server_does(llama_path: Path, answered_here: list[dict[str, Any]]) -> None:
     assert [output["custom_id"] for output in answered_here] == [custom_id for custom_id, _, _ in REQUESTS]
     assert len({output["id"] for output in answered_here}) == len(REQUESTS)
