@@ -29,7 +29,7 @@ from raylm.cluster.models.tiny_tokenizer import END, _train_tokenizer_json, buil
 from raylm.configs.cache import build_once, cache_path, content_key
 
 DEFAULT_MODEL_NAME = "tiny-llama"
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 # What the checkpoint's bytes depend on besides the settings: the code that writes it and the libraries it calls.
 _GENERATOR_SOURCES = (Path(__file__), Path(__file__).with_name("tiny_tokenizer.py"))
@@ -52,6 +52,15 @@ def _rope_kwargs(config_cls: type[transformers.PretrainedConfig], rope_theta: fl
     if "rope_parameters" in inspect.signature(config_cls.__init__).parameters:
         return {"rope_parameters": {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}}
     return {"rope_theta": rope_theta, **({"rope_scaling": dict(rope_scaling)} if rope_scaling else {})}
+
+
+def _longrope_scaling(rotary_dim: int, original_max_position_embeddings: int, seed: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE: a factor per frequency, the short set near 1 and the long one up to 8, drawn from the seed."""
+    draw = torch.Generator().manual_seed(seed)
+    short, long = (1 + spread * torch.rand(rotary_dim // 2, generator=draw) for spread in (0.5, 7.0))
+    return {"rope_type": "longrope", "short_factor": [round(x, 4) for x in short.tolist()],
+            "long_factor": [round(x, 4) for x in long.sort().values.tolist()],
+            "original_max_position_embeddings": original_max_position_embeddings}
 
 
 def make_tiny_model(out: Path | str | None = None, *, force: bool = False, **settings: Any) -> Path:
@@ -92,11 +101,15 @@ def write_tiny_model(
     moe_intermediate_size: int | None = None,
     mlp_only_layers: list[int] | None = None,
     norm_topk_prob: bool = True,
+    partial_rotary_factor: float = 1.0,
+    original_max_position_embeddings: int | None = None,
 ) -> Path:
     """Write the checkpoint to `out`, replacing what is there, and return it.
 
     tie_word_embeddings=None means the arch's usual choice: untied for llama/mixtral/qwen3_moe, tied for qwen2/qwen3.
-    rope_scaling may be "llama3" (Llama-3.1 style scaling) or an explicit rope-scaling dict.
+    rope_scaling may be "llama3" (Llama-3.1 style scaling), "longrope" (Phi-3's, seeded short and long factors over
+    original_max_position_embeddings, None: a quarter of max_position_embeddings) or an explicit rope-scaling dict.
+    Phi-3 only: partial_rotary_factor, the share of each head that rotates.
     MoE archs route each token to num_experts_per_tok of num_experts experts. Qwen3-MoE only: experts of
     moe_intermediate_size (None: intermediate_size), dense layers at mlp_only_layers, norm_topk_prob.
     """
@@ -105,18 +118,22 @@ def write_tiny_model(
         GenerationConfig,
         LlamaConfig,
         MixtralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
     )
 
-    if rope_scaling == "llama3":
-        rope_scaling = LLAMA3_ROPE_SCALING
-    elif isinstance(rope_scaling, str):
-        raise ValueError(f"unknown rope scaling {rope_scaling!r}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
     head_dim = hidden_size // num_heads
+    original_max_position_embeddings = original_max_position_embeddings or max_position_embeddings // 4
+    if rope_scaling == "llama3":
+        rope_scaling = LLAMA3_ROPE_SCALING
+    elif rope_scaling == "longrope":
+        rope_scaling = _longrope_scaling(int(head_dim * partial_rotary_factor), original_max_position_embeddings, seed)
+    elif isinstance(rope_scaling, str):
+        raise ValueError(f"unknown rope scaling {rope_scaling!r}; expected 'llama3', 'longrope' or a dict")
     cls: type[transformers.PretrainedConfig]
     extra: dict[str, Any]
     if arch == "llama":
@@ -135,6 +152,10 @@ def write_tiny_model(
                  "moe_intermediate_size": moe_intermediate_size or intermediate_size,
                  "mlp_only_layers": list(mlp_only_layers or []), "norm_topk_prob": norm_topk_prob}
         cls, theta, tie = Qwen3MoeConfig, 1_000_000.0, False
+    elif arch == "phi3":  # Phi-3 fuses qkv_proj and gate_up_proj in its checkpoint
+        extra = {"partial_rotary_factor": partial_rotary_factor, "sliding_window": None,
+                 "original_max_position_embeddings": original_max_position_embeddings}
+        cls, theta, tie = Phi3Config, 10_000.0, False
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
@@ -218,13 +239,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--rope-scaling", choices=["llama3"], default=None)
+    p.add_argument("--rope-scaling", choices=["llama3", "longrope"], default=None)
     p.add_argument("--num-experts", type=int, default=4, help="MoE archs: routed experts per layer")
     p.add_argument("--num-experts-per-tok", type=int, default=2, help="MoE archs: experts per token")
     p.add_argument("--moe-intermediate-size", type=int, default=None, help="qwen3_moe: expert MLP size")
     p.add_argument("--mlp-only-layers", type=int, nargs="*", default=None, help="qwen3_moe: dense layers")
     p.add_argument("--norm-topk-prob", action=argparse.BooleanOptionalAction, default=True,
                    help="qwen3_moe: renormalise the top-k router weights")
+    p.add_argument("--partial-rotary-factor", type=float, default=1.0, help="phi3: share of each head that rotates")
+    p.add_argument("--original-max-position-embeddings", type=int, default=None,
+                   help="longrope: the pre-training context (default: a quarter of --max-position-embeddings)")
     p.add_argument("--force", action="store_true",
                    help="with --out: rewrite the checkpoint even if one is there (the cache is keyed by content)")
 

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.models.mixtral import MixtralForCausalLM
+from raylm.runner.models.phi3 import Phi3ForCausalLM
 from raylm.runner.models.qwen2 import Qwen2ForCausalLM
 from raylm.runner.models.qwen3 import Qwen3ForCausalLM
 from raylm.runner.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -18,6 +19,7 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {  # each model is a Llama with its
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 

@@ -55,12 +55,13 @@ def is_pp_missing_parameter(name: str, model: nn.Module) -> bool:
 
 
 def get_rope_config(config: PretrainedConfig) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope scaling dict or None). transformers 5 keeps both in `rope_parameters`; older versions
-    in `rope_theta` and `rope_scaling`."""
+    """(rope_theta, rope scaling dict or None). transformers 5 keeps both, and partial_rotary_factor, in
+    `rope_parameters`; older versions in `rope_theta`, `rope_scaling` and `partial_rotary_factor`."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    return float(theta), (params if rope_type != "default" else None)
+    return float(theta), (params if rope_type != "default" or params["partial_rotary_factor"] != 1.0 else None)
 
 
 def get_head_dim(config: PretrainedConfig) -> int:
