@@ -14,6 +14,7 @@ with `start_serve` (or a Serve config's `controller_options`) to give the proxy 
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -29,16 +30,20 @@ from raylm.cluster.engine.async_llm import AsyncLLM
 from raylm.cluster.engine.environment import gather_environment
 from raylm.cluster.entrypoints.openai.api_server import build_app as build_fastapi_app
 from raylm.cluster.entrypoints.openai.api_server import model_router
+from raylm.cluster.entrypoints.openai.errors import OpenAIError
 from raylm.cluster.entrypoints.openai.lora_router import LoRAModelRouter
 from raylm.cluster.entrypoints.openai.metrics import PrometheusStatLogger
+from raylm.cluster.entrypoints.openai.protocol import ErrorResponse, ModelCard
 from raylm.cluster.models.default_model import served_model_name
-from raylm.cluster.serve.asgi_relay import RelayedRequest
-from raylm.cluster.serve.lora_serve import LoRAIngress, ReplicaAdapters
+from raylm.cluster.serve.asgi_relay import RelayedRequest, relay
+from raylm.cluster.serve.fleet import FleetIngress, FleetModel
+from raylm.cluster.serve.lora_serve import REPLICA_HEADER, ReplicaAdapters
 from raylm.cluster.serve.ray_metrics import RayPrometheusStatLogger
+from raylm.cluster.serve.runtime_adapters import SYNC_INTERVAL_S, adapter_table
 from raylm.cluster.serve.serve_handles import LLMServerHandles
 from raylm.cluster.serve.serve_ingress import OpenAIIngress, ingress_options
 from raylm.cluster.serve.serve_router import prefix_router_config
-from raylm.configs import EngineConfig, make_engine_config
+from raylm.configs import EngineConfig, envs, make_engine_config
 from raylm.configs.environment import EnvironmentFacts
 from raylm.configs.resolve import Deployment, resolve_deployment
 from raylm.executor.cluster_resources import ClusterCapacity, check_fits, process_cores
@@ -65,7 +70,8 @@ class LLMEngineServer(LLMServerHandles):
 
     async def __init__(self, config: EngineConfig) -> None:  # type: ignore[misc]  # Serve awaits an async __init__
         torch.set_num_threads(replica_torch_threads())
-        replica = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica = replica = context.replica_id.unique_id
         model_name = served_model_name(config.model_config)
         self.metrics = PrometheusStatLogger(model_name, replica)
         ray_metrics = RayPrometheusStatLogger(model_name, replica)
@@ -73,14 +79,42 @@ class LLMEngineServer(LLMServerHandles):
         await self.engine.wait_until_ready()
         router = self.router = model_router(self.engine)
         self.asgi_app = build_fastapi_app(router, config.serving_config.api_key, self.metrics)
-        self.adapters = (ReplicaAdapters(router.models, config.lora_config.max_loras, replica)
-                         if isinstance(router, LoRAModelRouter) else None)
+        self.adapters = None
+        if isinstance(router, LoRAModelRouter):
+            table = adapter_table(context.app_name, context.deployment)
+            self.adapters = ReplicaAdapters(router.models, config.lora_config.max_loras, replica, table)
+            await self.adapters.sync()  # the adapters loaded at run time before this replica started
+            self._sync_task = asyncio.create_task(self.adapters.keep_synced(SYNC_INTERVAL_S))
 
     async def relay(self, request: RelayedRequest) -> AsyncGenerator[Message, None]:
-        """A request the LoRA ingress handed to this replica (raylm/cluster/serve/lora_serve.py)."""
-        assert self.adapters is not None, "requests are relayed only with enable_lora"
-        async for message in self.adapters.relay(self.asgi_app, request):
+        """A request the fleet ingress handed to this replica (fleet.py), with the adapter it names loaded first."""
+        messages = (self.adapters.relay(self.asgi_app, request) if self.adapters is not None else
+                    relay(self.asgi_app, request, [(REPLICA_HEADER.encode(), self.replica.encode())]))
+        async for message in messages:
             yield message
+
+    async def model_cards(self) -> list[ModelCard]:
+        """The engine's models, and the run-time adapters that multiplexing evicted from it (loaded again on use)."""
+        cards = await self.router.list_models()
+        if self.adapters is not None:
+            listed = {card.id for card in cards}
+            base = self.engine.model_name
+            cards += [ModelCard(id=name, root=path, parent=base)
+                      for name, path in self.adapters.runtime.items() if name not in listed]
+        return cards
+
+    async def add_adapter(self, name: str, path: str) -> ErrorResponse | None:
+        """Broadcast by the fleet ingress (runtime_adapters.py): None once loaded, else the client's error."""
+        assert self.adapters is not None, "adapters are loaded at run time only with enable_lora"
+        try:
+            await self.adapters.add(name, path)
+        except OpenAIError as err:
+            return err.response
+        return None
+
+    async def remove_adapter(self, name: str) -> bool:
+        assert self.adapters is not None, "adapters are unloaded at run time only with enable_lora"
+        return await self.adapters.remove(name)
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -106,37 +140,84 @@ def start_serve(host: str, port: int) -> None:
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """`args`: "config" (a YAML of engine settings) and any engine setting on top, e.g. "model",
-    "min_replicas", "max_replicas", "tensor_parallel_size"."""
+    "min_replicas", "max_replicas", "tensor_parallel_size"; or "llm_configs", a list of such settings (or YAML
+    paths), one per model of a fleet (build_fleet_app)."""
     settings = dict(args)
+    if "llm_configs" in settings:
+        entries = settings.pop("llm_configs")
+        if settings or not isinstance(entries, list) or not entries:
+            raise ValueError(f"llm_configs: a non-empty list of engine settings (or YAML paths), alone in args; got "
+                             f"llm_configs={entries!r} beside {sorted(settings)}")
+        return build_fleet_app([_engine_config(entry) for entry in entries])
     return build_openai_app(make_engine_config(settings.pop("config", None), **settings))
 
 
 def build_openai_app(config: EngineConfig) -> serve.Application:
     """LLMServer replicas answering HTTP themselves; or, where replicas are routed by prefix (routing_policy, more
-    than one replica), behind an OpenAI ingress whose handle routes each request (serve_ingress.py)."""
-    model_id = served_model_name(config.model_config)
-    config = dataclasses.replace(config, model_config=config.model_config.model_copy(
-        update={"served_model_name": model_id}))
+    than one replica), behind an OpenAI ingress whose handle routes each request (serve_ingress.py); with LoRA, a
+    fleet of one (fleet.py), whose ingress picks replicas by adapter."""
+    if config.lora_config.enable_lora:
+        return build_fleet_app([config])
+    config = _with_served_name(config)
+    model_id = config.model_config.served_model_name
     deployment = replica_deployment(config)
     name, options, serving = f"LLMServer:{model_id}", llm_server_options(config, deployment), config.serving_config
-    if config.lora_config.enable_lora:
-        if serving.max_replicas > 1 and config.routing_config.routing_policy == "prefix":
-            raise ValueError("routing_policy 'prefix' over Serve replicas cannot be combined with enable_lora: the "
-                             "LoRA ingress picks replicas by adapter (Serve's multiplexing); use routing_policy auto")
-        # One ingress per app: the replicas answer the LoRA ingress's handle calls only. Serve's multiplexed routing
-        # needs the adapter's name before a replica is chosen: the ingress reads it. (Ray types serve.deployment as
-        # returning a decorator, also when given the class: hence the ignores on `.options` here and below.)
-        server = serve.deployment(LLMEngineServer).options(name=name, **options).bind(config)  # type: ignore[attr-defined]
-        return serve.deployment(LoRAIngress).options(  # type: ignore[attr-defined]
-            name=f"LoRAIngress:{model_id}", max_ongoing_requests=_MAX_ONGOING_REQUESTS,
-            ray_actor_options={"num_cpus": 0.5, "runtime_env": _replica_runtime_env()}).bind(server, model_id)
     if serving.max_replicas == 1 or deployment.routing_policy == "load":
         return serve.deployment(LLMServer).options(name=name, **options).bind(config)  # type: ignore[attr-defined]
+    # (Ray types serve.deployment as returning a decorator, also when given the class: hence the ignores on
+    # `.options`.)
     routed = serve.deployment(LLMEngineServer).options(  # type: ignore[attr-defined]
         name=name, request_router_config=prefix_router_config(config.routing_config), **options).bind(config)
     return serve.deployment(OpenAIIngress).options(  # type: ignore[attr-defined]
         **ingress_options(f"OpenAIIngress:{model_id}", serving.min_replicas, serving.max_replicas)
     ).bind(routed, serving.api_key)
+
+
+def build_fleet_app(configs: list[EngineConfig]) -> serve.Application:
+    """Several models behind one FleetIngress (fleet.py), each its own deployment of LLMEngineServer replicas with its
+    own replicas, autoscaling, placement group and LoRA."""
+    configs = [_with_served_name(config) for config in configs]
+    names = [config.model_config.served_model_name for config in configs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"llm_configs: served_model_name must differ between models; got {names}")
+    api_keys = {config.serving_config.api_key for config in configs}
+    if len(api_keys) > 1:
+        raise ValueError("llm_configs: api_key must be the same for every model (one endpoint serves them)")
+    models = []
+    for config, name in zip(configs, names):
+        assert name is not None, "_with_served_name names every model"
+        deployment = replica_deployment(config)
+        options, lora = llm_server_options(config, deployment), config.lora_config.enable_lora
+        if lora and config.serving_config.max_replicas > 1 and config.routing_config.routing_policy == "prefix":
+            raise ValueError("routing_policy 'prefix' over Serve replicas cannot be combined with enable_lora: the "
+                             "ingress picks replicas by adapter (Serve's multiplexing); use routing_policy auto")
+        if not lora and config.serving_config.max_replicas > 1 and deployment.routing_policy == "prefix":
+            options["request_router_config"] = prefix_router_config(config.routing_config)
+        server = serve.deployment(LLMEngineServer).options(  # type: ignore[attr-defined]
+            name=f"LLMServer:{name}", **options).bind(config)
+        models.append(FleetModel(name, f"LLMServer:{name}", lora, server))
+    max_replicas = max(config.serving_config.max_replicas for config in configs)
+    options = ingress_options("FleetIngress", 1, max_replicas) | {
+        "ray_actor_options": {"num_cpus": 0, "runtime_env": _replica_runtime_env()}}
+    return serve.deployment(FleetIngress).options(**options).bind(  # type: ignore[attr-defined]
+        models, api_keys.pop(), envs.runtime_lora_updating())
+
+
+def _engine_config(entry: dict[str, Any] | str) -> EngineConfig:
+    """One model of llm_configs: its settings ("config" a YAML of them, any setting on top), or a YAML's path."""
+    if isinstance(entry, str):
+        return make_engine_config(entry)
+    if not isinstance(entry, dict):
+        raise ValueError(f"llm_configs: each entry is a dict of engine settings or a YAML path; got {entry!r}")
+    settings = dict(entry)
+    return make_engine_config(settings.pop("config", None), **settings)
+
+
+def _with_served_name(config: EngineConfig) -> EngineConfig:
+    """The config with served_model_name decided, so that every replica and the ingress agree on it."""
+    model_id = served_model_name(config.model_config)
+    return dataclasses.replace(config, model_config=config.model_config.model_copy(
+        update={"served_model_name": model_id}))
 
 
 def replica_deployment(config: EngineConfig) -> Deployment:
