@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from raylm.configs.attention_backends import choose_attention_backend
+from raylm.configs.attention_backends import attention_features, choose_attention_backend
 from raylm.configs.bundles import EngineBundles, device_bundle, engine_bundles
 from raylm.configs.cudagraph_plan import plan_cuda_graphs, why_no_full_graphs
 from raylm.configs.engine_config import EngineConfig, ParallelConfig, ResolvedConfig
@@ -112,7 +112,8 @@ def resolve_config(config: EngineConfig, model_info: ModelInfo, env: Environment
     max_concurrent_batches = 1 if dp_lockstep else pp + int(scheduler.async_scheduling)
     compilation = config.compilation_config
     attention_backend = choose_attention_backend(config.cache_config.attention_backend, device, dtype,
-                                                 config.cache_config.block_size, compilation.custom_ops != "none", env)
+                                                 config.cache_config.block_size, compilation.custom_ops != "none", env,
+                                                 attention_features(model_info.hf_config))
     query_len = 1 if speculative is None else 1 + speculative.num_speculative_tokens
     why_no_full = why_no_full_graphs(model_info.is_moe, pp > 1, device, dtype, attention_backend, query_len,
                                      env.cuda_capability)

@@ -14,6 +14,7 @@ from raylm.cluster.engine.environment import gather_environment
 from raylm.cluster.models.default_model import resolve_model
 from raylm.common.logger import show_info
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
+from raylm.configs.attention_backends import attention_features, explain_attention_backend
 from raylm.configs.environment import EnvironmentFacts
 from raylm.configs.model_info import ModelInfo, explain_dtype, read_model_info
 from raylm.configs.resolve import Deployment, resolve_config, resolve_deployment
@@ -57,7 +58,11 @@ def _log_engine_config(config: EngineConfig, env: EnvironmentFacts) -> None:
                 model_config.served_model_name, model_info.architecture, resolved.device,
                 explain_dtype(model_config, model_info, resolved.device, env.cpu_bf16_instructions),
                 resolved.quantization,
-                resolved.attention_backend, resolved.executor_backend,
+                explain_attention_backend(config.cache_config.attention_backend, resolved.device, resolved.dtype,
+                                          config.cache_config.block_size,
+                                          config.compilation_config.custom_ops != "none", env,
+                                          attention_features(model_info.hf_config)),
+                resolved.executor_backend,
                 ", lock-step DP" if resolved.dp_lockstep else "", resolved.cudagraph.mode, _graph_detail(config),
                 model_config.max_model_len, resolved.max_concurrent_batches, resolved.routing_policy,
                 "/".join(resolved.structured_outputs_backends) or "none",

@@ -29,7 +29,7 @@ from raylm.cluster.models.tiny_tokenizer import END, _train_tokenizer_json, buil
 from raylm.configs.cache import build_once, cache_path, content_key
 
 DEFAULT_MODEL_NAME = "tiny-llama"
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "mistral", "gemma2", "gemma3")
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 # What the checkpoint's bytes depend on besides the settings: the code that writes it and the libraries it calls.
 _GENERATOR_SOURCES = (Path(__file__), Path(__file__).with_name("tiny_tokenizer.py"))
@@ -61,6 +61,12 @@ def _longrope_scaling(rotary_dim: int, original_max_position_embeddings: int, se
     return {"rope_type": "longrope", "short_factor": [round(x, 4) for x in short.tolist()],
             "long_factor": [round(x, 4) for x in long.sort().values.tolist()],
             "original_max_position_embeddings": original_max_position_embeddings}
+
+
+def _gemma3_rope(global_theta: float) -> dict[str, Any]:
+    # Gemma 3 rotates its sliding layers with base 10k and its global ones with `global_theta`, per layer kind.
+    return {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                "full_attention": {"rope_type": "default", "rope_theta": global_theta}}}
 
 
 def make_tiny_model(out: Path | str | None = None, *, force: bool = False, **settings: Any) -> Path:
@@ -103,6 +109,10 @@ def write_tiny_model(
     norm_topk_prob: bool = True,
     partial_rotary_factor: float = 1.0,
     original_max_position_embeddings: int | None = None,
+    sliding_window: int | None = None,
+    sliding_window_pattern: int | None = None,
+    attn_logit_softcapping: float | None = None,
+    final_logit_softcapping: float | None = None,
 ) -> Path:
     """Write the checkpoint to `out`, replacing what is there, and return it.
 
@@ -110,13 +120,19 @@ def write_tiny_model(
     rope_scaling may be "llama3" (Llama-3.1 style scaling), "longrope" (Phi-3's, seeded short and long factors over
     original_max_position_embeddings, None: a quarter of max_position_embeddings) or an explicit rope-scaling dict.
     Phi-3 only: partial_rotary_factor, the share of each head that rotates.
+    Mistral and Gemma: sliding_window, the window of the sliding layers (None: none for Mistral, 4096 for Gemma); Gemma
+    only: every sliding_window_pattern-th layer is global (None: Gemma 2's 2, Gemma 3's 6), and the soft-caps of the
+    attention scores (Gemma 2 only: Gemma 3 ignores it) and of the final logits (None: off).
     MoE archs route each token to num_experts_per_tok of num_experts experts. Qwen3-MoE only: experts of
     moe_intermediate_size (None: intermediate_size), dense layers at mlp_only_layers, norm_topk_prob.
     """
     from transformers import (
         AutoModelForCausalLM,
+        Gemma2Config,
+        Gemma3TextConfig,
         GenerationConfig,
         LlamaConfig,
+        MistralConfig,
         MixtralConfig,
         Phi3Config,
         Qwen2Config,
@@ -156,6 +172,16 @@ def write_tiny_model(
         extra = {"partial_rotary_factor": partial_rotary_factor, "sliding_window": None,
                  "original_max_position_embeddings": original_max_position_embeddings}
         cls, theta, tie = Phi3Config, 10_000.0, False
+    elif arch == "mistral":
+        extra = {"head_dim": head_dim, "sliding_window": sliding_window}
+        cls, theta, tie = MistralConfig, 1_000_000.0, False
+    elif arch in ("gemma2", "gemma3"):
+        pattern = sliding_window_pattern or (2 if arch == "gemma2" else 6)
+        extra = {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "sliding_window": sliding_window or 4096,
+                 "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                 for i in range(num_layers)],
+                 "attn_logit_softcapping": attn_logit_softcapping, "final_logit_softcapping": final_logit_softcapping}
+        cls, theta, tie = (Gemma2Config, 10_000.0, True) if arch == "gemma2" else (Gemma3TextConfig, 1_000_000.0, True)
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
@@ -173,7 +199,7 @@ def write_tiny_model(
         tie_word_embeddings=tie if tie_word_embeddings is None else tie_word_embeddings,
         **ids,
         **extra,
-        **_rope_kwargs(cls, theta, rope_scaling),
+        **(_gemma3_rope(theta) if arch == "gemma3" else _rope_kwargs(cls, theta, rope_scaling)),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -249,6 +275,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--partial-rotary-factor", type=float, default=1.0, help="phi3: share of each head that rotates")
     p.add_argument("--original-max-position-embeddings", type=int, default=None,
                    help="longrope: the pre-training context (default: a quarter of --max-position-embeddings)")
+    p.add_argument("--sliding-window", type=int, default=None, help="mistral, gemma2/3: the sliding layers' window")
+    p.add_argument("--sliding-window-pattern", type=int, default=None, help="gemma2/3: every n-th layer is global")
+    p.add_argument("--attn-logit-softcapping", type=float, default=None, help="gemma2: attention scores' soft-cap")
+    p.add_argument("--final-logit-softcapping", type=float, default=None, help="gemma2/3: final logits' soft-cap")
     p.add_argument("--force", action="store_true",
                    help="with --out: rewrite the checkpoint even if one is there (the cache is keyed by content)")
 

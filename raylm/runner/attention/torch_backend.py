@@ -8,10 +8,14 @@ per layer, and nothing in `build()` or `forward()` reads a device value back to 
 
 Inside a CUDA graph (`build_decode_graph`) a decode attends through `torch_paged_decode.packed_paged_decode`: the
 blocks in use, packed to a fixed capacity, not batch x max_model_len keys.
+
+A layer may pass a sliding window (a query sees its last `sliding_window` positions, itself included) and a logit
+soft-cap (scores become cap * tanh(scores / cap) before the softmax, which SDPA cannot do: those layers score in
+float32 by hand). The window's mask is built per group once per step, for the first layer that asks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +45,12 @@ class SDPAGroup:
     # [B, max_blocks] block ids of the group's requests; None: the keys are the queries' own new K/V (fresh prompts)
     block_table: torch.Tensor | None
     key_valid: torch.Tensor | None  # [B, S] key position < seq_len (with block_table)
+    # Absolute positions of the query rows ([B, Q], padding rows: the last real one's) and of the keys ([B or 1, S]):
+    # what a sliding window compares.
+    query_pos: torch.Tensor
+    key_pos: torch.Tensor
     kv_slots: torch.Tensor | None = None  # [B, S] cache slot of each key (padding: slot 0); set by slots()
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding_window -> mask; set by mask_for()
 
     def slots(self, block_size: int) -> torch.Tensor:
         assert self.block_table is not None and self.key_valid is not None
@@ -50,6 +59,18 @@ class SDPAGroup:
             blocks = self.block_table[:, key_pos // block_size].long()
             self.kv_slots = torch.where(self.key_valid, blocks * block_size + key_pos % block_size, 0)
         return self.kv_slots
+
+    def mask_for(self, sliding_window: int | None) -> torch.Tensor | None:
+        """The group's mask ([B, 1, Q, S], True: attend), narrowed to the last `sliding_window` positions of each
+        query; None where no key is masked."""
+        if sliding_window is None:
+            return self.attn_mask
+        if sliding_window not in self.window_masks:
+            mask = (self.key_pos[:, None, :] > self.query_pos[:, :, None] - sliding_window).unsqueeze(1)
+            if self.is_causal:
+                mask &= self.key_pos[:, None, None, :] <= self.query_pos[:, None, :, None]
+            self.window_masks[sliding_window] = mask if self.attn_mask is None else mask & self.attn_mask
+        return self.window_masks[sliding_window]
 
 
 @dataclass
@@ -109,6 +130,7 @@ class TorchAttentionBackend(AttentionBackend):
         row = torch.arange(max_q, device=device)
         query_index = starts[:, None] + torch.minimum(row, query_lens[:, None] - 1)
         query_pos = (seq_lens - query_lens)[:, None] + row  # absolute position of each query row
+        last_pos = (seq_lens - query_lens)[:, None] + torch.minimum(row, query_lens[:, None] - 1)
 
         attn_mask = None
         if not (uniform and max_q == 1):
@@ -119,7 +141,7 @@ class TorchAttentionBackend(AttentionBackend):
             out_rows = to_device((torch.arange(max_q) < query_lens_cpu[:, None]).flatten().nonzero().squeeze(1), device)
             out_index = out_index[out_rows]
         return SDPAGroup(max_q == 1, query_index, attn_mask, False, out_rows, out_index, common.block_table[reqs],
-                         key_valid)
+                         key_valid, last_pos, key_pos[None, :])
 
     @staticmethod
     def _build_fresh_group(common: CommonAttentionMetadata, reqs_cpu: torch.Tensor) -> SDPAGroup:
@@ -134,21 +156,25 @@ class TorchAttentionBackend(AttentionBackend):
             row = torch.arange(longest)
             query_index_cpu = starts[:, None] + torch.minimum(row, lens[:, None] - 1)
             query_index = to_device(query_index_cpu, device)
-            if same_len:
-                return SDPAGroup(False, query_index, None, True, None, query_index.flatten(), None, None)
             key = torch.arange(longest, device=device)
+            query_pos = query_index - to_device(starts, device)[:, None]  # a fresh prompt's positions start at 0
+            if same_len:
+                return SDPAGroup(False, query_index, None, True, None, query_index.flatten(), None, None, query_pos,
+                                 key[None, :])
             lens_d = to_device(lens, device)
             # Key j is seen by query row i when j <= i and j is a real token: padding rows see the whole prompt.
             mask = ((key[None, None, :] <= key[None, :, None]) & (key < lens_d[:, None, None])).unsqueeze(1)
             real_rows = (row < lens[:, None]).flatten()
             return SDPAGroup(False, query_index, mask, False, to_device(real_rows.nonzero().squeeze(1), device),
-                             to_device(query_index_cpu.flatten()[real_rows], device), None, None)
+                             to_device(query_index_cpu.flatten()[real_rows], device), None, None, query_pos,
+                             key[None, :])
         prompt = torch.arange(num_prompts).repeat_interleave(lens)
         position = torch.arange(total) - (lens.cumsum(0) - lens).repeat_interleave(lens)
         tokens = to_device(starts.repeat_interleave(lens) + position, device)
         prompt_d, position_d = to_device(prompt, device), to_device(position, device)
         mask = (prompt_d[None, :] == prompt_d[:, None]) & (position_d[None, :] <= position_d[:, None])
-        return SDPAGroup(False, tokens[None, :], mask[None, None], False, None, tokens, None, None)
+        return SDPAGroup(False, tokens[None, :], mask[None, None], False, None, tokens, None, None, position_d[None, :],
+                         position_d[None, :])
 
     def build_decode_graph(self, buffers: DecodeGraphBuffers) -> DecodeGraphMetadata:
         assert buffers.scratch_slot >= 0, "the torch backend's fixed-buffer decode writes padding to a scratch slot"
@@ -170,9 +196,11 @@ class TorchAttentionBackend(AttentionBackend):
                                    head_size, element_size)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         if isinstance(metadata, DecodeGraphMetadata):
-            return self._forward_decode_graph(query, key, value, kv_cache, metadata, scale)
+            return self._forward_decode_graph(query, key, value, kv_cache, metadata, scale, sliding_window,
+                                              logits_soft_cap)
         assert isinstance(metadata, TorchAttentionMetadata)
         block_size = kv_cache.shape[2]
         if metadata.block_size is None:
@@ -192,22 +220,23 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_slots = group.slots(block_size)
                 k = key_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
                 v = value_cache.index_select(0, kv_slots.flatten()).unflatten(0, kv_slots.shape).transpose(1, 2)
+            mask = group.mask_for(sliding_window)
+            is_causal = group.is_causal and sliding_window is None
             if group.is_decode:
                 # The query heads sharing a KV head become rows of one [G, D] query: K/V are read once per KV head.
                 q = query[group.out_index].unflatten(1, (k.shape[1], -1))  # [B, KV, G, D]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attn_mask, scale=scale)
-                o = o.flatten(1)
+                o = attend(q, k, v, mask, False, scale, logits_soft_cap).flatten(1)
             else:
                 q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attn_mask, is_causal=group.is_causal,
-                                                   scale=scale, enable_gqa=True)
+                o = attend(q, k, v, mask, is_causal, scale, logits_soft_cap)
                 o = o.transpose(1, 2).reshape(-1, num_heads * head_size)
             output.index_copy_(0, group.out_index, o if group.out_rows is None else o[group.out_rows])
         return output
 
     @staticmethod
     def _forward_decode_graph(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                              metadata: DecodeGraphMetadata, scale: float) -> torch.Tensor:
+                              metadata: DecodeGraphMetadata, scale: float, sliding_window: int | None,
+                              logits_soft_cap: float | None) -> torch.Tensor:
         """No host read and no data-dependent shape: the new K/V go in through an index_copy (padding to the scratch
         slot), then each request attends over its blocks, packed to the capacity of this batch size."""
         buffers = metadata.buffers
@@ -218,4 +247,22 @@ class TorchAttentionBackend(AttentionBackend):
         num_reqs, max_blocks = buffers.block_table.shape
         capacity = decode_capacity(num_reqs, max_blocks, key_cache.shape[0])
         return packed_paged_decode(query, key_cache, value_cache, buffers.block_table, buffers.seq_lens, scale,
-                                   capacity)
+                                   capacity, sliding_window, logits_soft_cap)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, scale: float,
+           logits_soft_cap: float | None = None) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, KV, S, D] (H a multiple of KV), mask broadcastable to [B, H, Q, S] (True: attend) ->
+    [B, H, Q, D]. SDPA, unless the scores are soft-capped: then in float32 by hand, as transformers' eager attention
+    (the cap applies to the scaled scores, before the mask)."""
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)).mul_(scale / logits_soft_cap).tanh_().mul_(logits_soft_cap)
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v).to(q.dtype)

@@ -35,10 +35,11 @@ def blocks_attended(seq_lens: torch.Tensor, block_size: int) -> int:
 
 
 def packed_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                        capacity: int) -> torch.Tensor:
+                        block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, capacity: int,
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [B, H, D]; key/value_cache [num_blocks, block_size, KV, D]; block_table [B, W]; seq_lens [B] ->
-    [B, H * D]. A seq_len of 0 (a stale padding row) attends to its first key, so every output is finite."""
+    [B, H * D]. A seq_len of 0 (a stale padding row) attends to its first key, so every output is finite. With a
+    sliding window a query sees its last `sliding_window` keys; a soft-cap maps scores to cap * tanh(score / cap)."""
     num_reqs, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     device = query.device
@@ -52,10 +53,14 @@ def packed_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     blocks = block_table[owner, column].long()
     key_pos = column[:, None] * block_size + torch.arange(block_size, device=device)
     visible = in_use[:, None] & (key_pos < seq_lens[owner, None])  # [P, block_size]
+    if sliding_window is not None:
+        visible &= key_pos >= seq_lens[owner, None] - sliding_window
 
     # Scores and sums in float32 (as SDPA keeps them); K is dropped before V is gathered, to halve the peak.
     q = query.float().unflatten(1, (num_kv_heads, -1))[owner]  # [P, KV, G, D]: K/V read once per KV head
     scores = torch.einsum("pkgd,pskd->pkgs", q, key_cache.index_select(0, blocks).float()).mul_(scale)
+    if logits_soft_cap is not None:
+        scores.div_(logits_soft_cap).tanh_().mul_(logits_soft_cap)
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     block_max = scores.amax(dim=-1)  # [P, KV, G]
     request_max = block_max.new_full((num_reqs, *block_max.shape[1:]), float("-inf"))

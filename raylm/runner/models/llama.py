@@ -130,10 +130,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    supports_layer_types: ClassVar[bool] = False  # whether its layers read config.layer_types (sliding windows)
+
     def __init__(self, config: PretrainedConfig, layer_type: type[LlamaDecoderLayer], pp_rank: int = 0,
                  pp_size: int = 1, partition: list[int] | None = None) -> None:
         super().__init__()
-        if getattr(config, "use_sliding_window", False) or any(
+        if getattr(config, "use_sliding_window", False) or not self.supports_layer_types and any(
                 t != "full_attention" for t in getattr(config, "layer_types", None) or []):
             raise ValueError("sliding-window attention is not supported")
         self.is_first_rank, self.is_last_rank = pp_rank == 0, pp_rank == pp_size - 1
@@ -150,7 +152,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         if self.is_first_rank:
-            hidden_states, residual = self.embed_tokens(input_ids), None
+            hidden_states, residual = self.embed_input_ids(input_ids), None
         else:
             assert intermediate_tensors is not None, "a non-first pipeline stage needs intermediate_tensors"
             hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
@@ -165,8 +167,13 @@ class LlamaModel(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hook for models that scale their embeddings (Gemma)."""
+        return self.embed_tokens(input_ids)
+
 
 class LlamaForCausalLM(nn.Module):
+    model_type: ClassVar[type[LlamaModel]] = LlamaModel
     layer_type: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -186,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, type(self).layer_type, pp_rank, pp_size, partition)
+        self.model = type(self).model_type(config, type(self).layer_type, pp_rank, pp_size, partition)
         self.lm_head: nn.Module = PPMissingLayer()
         if self.model.is_last_rank:
             lm_head = self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from raylm.runner.models.gemma2 import Gemma2ForCausalLM
+from raylm.runner.models.gemma3 import Gemma3ForCausalLM
 from raylm.runner.models.llama import LlamaForCausalLM
+from raylm.runner.models.mistral import MistralForCausalLM
 from raylm.runner.models.mixtral import MixtralForCausalLM
 from raylm.runner.models.phi3 import Phi3ForCausalLM
 from raylm.runner.models.qwen2 import Qwen2ForCausalLM
@@ -19,6 +22,9 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {  # each model is a Llama with its
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
