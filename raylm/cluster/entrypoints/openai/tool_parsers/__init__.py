@@ -1,8 +1,18 @@
-"""Tool-call parsers: the model's own tool calls (tool_choice "auto") read back from its text."""
+"""Tool-call parsers: the model's own tool calls (tool_choice "auto") read back from its text, by vLLM's names."""
 from raylm.cluster.entrypoints.openai.tool_parsers.abstract import ExtractedToolCalls, ToolParser, new_tool_call_id
+from raylm.cluster.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from raylm.cluster.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from raylm.cluster.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from raylm.cluster.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from raylm.cluster.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+}
 
 
 def get_tool_parser(name: str) -> ToolParser:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from raylm.cluster.entrypoints.openai.protocol_tools import DeltaToolCall, ToolCall
 
@@ -20,6 +21,10 @@ class ExtractedToolCalls:
 
 
 class ToolParser(ABC):
+    # The format's markers are special tokens, which the text keeps only with skip_special_tokens off (vLLM's
+    # adjust_request turns it off for such parsers unless the request sets it).
+    reads_special_tokens: ClassVar[bool] = False
+
     @abstractmethod
     def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
         """A whole output: its text outside the calls (None when empty) and the calls."""
