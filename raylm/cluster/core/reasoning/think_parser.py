@@ -33,13 +33,15 @@ class ReasoningParser:
         return False
 
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning_content, content) of a whole output."""
-        if END not in text:
-            if self.name == "qwen3" and START not in text:
-                return None, text
-            return text.replace(START, "", 1) or None, None
-        reasoning, content = text.split(END, 1)
-        return reasoning.replace(START, "", 1) or None, content or None
+        """(reasoning_content, content) of a whole output, split as the stream splits it: for qwen3, text before
+        <think> (and all of it without one, a stray </think> included) is content."""
+        before = ""
+        if self.name == "qwen3":
+            before, found, text = text.partition(START)
+            if not found:
+                return None, before
+        reasoning, _, content = text.partition(END)
+        return reasoning.replace(START, "", 1) or None, before + content or None
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(in_reasoning=self.name == "deepseek_r1")
