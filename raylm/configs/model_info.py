@@ -38,6 +38,8 @@ class ModelInfo:
     hf_config: PretrainedConfig | None = None  # transformers' config of the checkpoint, which the model is built from
     # The checkpoint's resolved path and a digest of its files (configs/kv_identity.py): what its KV identity names.
     checkpoint: tuple[str, str] = ("", "")
+    # The object-storage URI `path` was copied from ("" for a local checkpoint): each worker loads its own node's copy.
+    source: str = ""
 
     @property
     def is_moe(self) -> bool:

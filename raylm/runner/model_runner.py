@@ -20,6 +20,7 @@ import torch
 
 from raylm.common import tracing
 from raylm.common.kv_transfer import KVConnectorOutput
+from raylm.common.object_storage import checkpoint_here
 from raylm.common.outputs import GrammarOutput, IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.configs import EngineConfig
 from raylm.runner import cpu_kernels
@@ -46,6 +47,7 @@ from raylm.runner.models.cpu_layer_stack import stack_layers
 from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.models.loader import load_model, reload_weights
 from raylm.runner.parallel_state import get_dp_group, get_pp_group
+from raylm.runner.pooler import Pooler
 from raylm.runner.profile_run import ProfileRun
 from raylm.runner.prompt_logprobs import PromptLogprobsProcessor
 from raylm.runner.request_states import RequestStates
@@ -71,6 +73,7 @@ class ExecuteModelState:
     spec_decode_metadata: SpecDecodeMetadata | None = None  # the drafts' logits rows, when any request has drafts
     hidden_states: torch.Tensor | None = None  # the forward's output (speculative decoding's proposer may read it)
     kv_connector_output: KVConnectorOutput | None = None
+    pooler_output: dict[str, torch.Tensor] | None = None  # pooling requests done this step (on the device)
 
 
 class ModelRunner:
@@ -96,6 +99,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling_metadata = SamplingMetadataBuilder(model_info.eos_token_ids, device)
         self.prompt_logprobs = PromptLogprobsProcessor(self.max_num_reqs)
+        self.pooler = Pooler()
         self.profile = ProfileRun(self.buffers, self.attn_backend, self.sampler, self.dtype, self.max_model_len)
         self.counts = ForwardCounts()
         # The graph key of recent forwards, for scripts/gpu_proof.py: a diagnostic, kept only when asked for.
@@ -119,7 +123,9 @@ class ModelRunner:
     def load_model(self) -> None:
         pp = get_pp_group()
         assert self.model_info.hf_config is not None, "read_model_info keeps the checkpoint's config"
-        self.model = load_model(self.model_info.path, self.model_info.hf_config, dtype=self.dtype, device=self.device,
+        # An object-storage checkpoint loads from this node's copy, fetched here once if the engine's node is another.
+        path = checkpoint_here(self.model_info.path, self.model_info.source, "model")
+        self.model = load_model(path, self.model_info.hf_config, dtype=self.dtype, device=self.device,
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
                                 partition=self.config.parallel_config.pp_layer_partition,
                                 quantization=self.config.resolved.quantization)
@@ -168,7 +174,8 @@ class ModelRunner:
         self.kv_connector = create_worker_connector(
             self.config, {layer.layer_idx: layer.kv_cache for layer in self.attention_layers()})
         model = self.model
-        self.sleep_mode = SleepMode(model, self.kv_caches, lambda: reload_weights(model, self.model_info.path))
+        self.sleep_mode = SleepMode(model, self.kv_caches, lambda: reload_weights(
+            model, checkpoint_here(self.model_info.path, self.model_info.source, "model")))
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -180,6 +187,7 @@ class ModelRunner:
             raise RuntimeError("execute_model called twice without sample_tokens: the previous step's logits "
                                "were never sampled")
         with tracing.span("update_states"):
+            self.pooler.update(scheduler_output)
             self.states.update(scheduler_output, get_pp_group().is_last_rank)
         if scheduler_output.total_num_scheduled_tokens == 0:
             if self.planner is not None and self.planner.coordinates:
@@ -206,13 +214,21 @@ class ModelRunner:
             assert isinstance(output, IntermediateTensors)
             return output
         assert isinstance(output, torch.Tensor)
+        sampling_rows, logits_indices = inputs.sampling_rows, inputs.logits_indices
+        with tracing.span("pool"):
+            pooled, samples = self.pooler.pool(output, self.input_batch, self.buffers.query_start_loc.np,
+                                               sampling_rows)
+        if pooled:  # rows that finished a pooling request's prompt sample nothing (never with drafts: refused)
+            assert inputs.spec_decode_metadata is None
+            sampling_rows, logits_indices = sampling_rows[samples], logits_indices[torch.from_numpy(samples).to(
+                logits_indices.device)]
         # Padding rows (if any) come after the real tokens: logits_indices never reach them.
         with tracing.span("compute_logits"):
-            logits = self.model.compute_logits(output[inputs.logits_indices]).float()
+            logits = self.model.compute_logits(output[logits_indices]).float()
             self.prompt_logprobs.compute(output, self.input_batch, self.buffers.query_start_loc.np,
                                          self.model.compute_logits)
-        self.execute_model_state = ExecuteModelState(scheduler_output, logits, inputs.sampling_rows,
-                                                     inputs.spec_decode_metadata, output, kv_connector_output)
+        self.execute_model_state = ExecuteModelState(scheduler_output, logits, sampling_rows,
+                                                     inputs.spec_decode_metadata, output, kv_connector_output, pooled)
         return None
 
     @torch.inference_mode()
@@ -245,8 +261,9 @@ class ModelRunner:
             for row, token in zip(rows.tolist(), sampled):
                 sampled_token_ids[row] = [token]
         logprobs = to_logprobs_lists(batch, rows, sampler_output.logprobs_tensors)
+        pooler_output = {req_id: vector.cpu() for req_id, vector in (state.pooler_output or {}).items()}
         return ModelRunnerOutput(list(req_ids), sampled_token_ids, logprobs, self.prompt_logprobs.pop_completed(),
-                                 kv_connector_output=state.kv_connector_output)
+                                 kv_connector_output=state.kv_connector_output, pooler_output=pooler_output)
 
     @torch.inference_mode()
     def execute_dummy_batch(self) -> None:

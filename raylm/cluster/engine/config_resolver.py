@@ -1,7 +1,8 @@
 """The engine's side of resolution: where the engine runs (an `LLM`, the CLI, a Serve replica, a job), read what
 resolution needs and cannot see itself, then hand it to the pure resolve_config (raylm/configs/resolve.py), once:
-the checkpoint (model=None built or fetched by cluster/models/default_model.py, its facts read once) and the
-environment's facts (gather_environment). Nothing here decides; the start-up line says what was decided.
+the checkpoint (model=None built or fetched by cluster/models/default_model.py, an object-storage URI copied to this
+node, its facts read once) and the environment's facts (gather_environment). Nothing here decides; the start-up
+line says what was decided.
 
 A Serve replica on a GPU cluster resolves from what it holds itself, not from what the process that built the app saw.
 """
@@ -13,9 +14,12 @@ import logging
 from raylm.cluster.engine.environment import gather_environment
 from raylm.cluster.models.default_model import resolve_model
 from raylm.common.logger import show_info
+from raylm.common.object_storage import check_source, is_object_uri, local_copy
 from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
 from raylm.configs.attention_backends import attention_features, explain_attention_backend
+from raylm.configs.engine_config import LoRAConfig
 from raylm.configs.environment import EnvironmentFacts
+from raylm.configs.lora import parse_lora_modules
 from raylm.configs.model_info import ModelInfo, explain_dtype, read_model_info
 from raylm.configs.resolve import Deployment, resolve_config, resolve_deployment
 from raylm.configs.scheduler_defaults import UsageContext
@@ -28,18 +32,34 @@ def resolve_engine_config(config: EngineConfig, usage_context: UsageContext = "e
     comes back as it is."""
     if config.resolution is not None:
         return config
+    source = config.model_config.model if is_object_uri(config.model_config.model) else ""
     config = dataclasses.replace(config, model_config=resolve_model(config.model_config))
     model = config.model_config.model
     assert model is not None
-    model_info = read_model_info(model)
+    model_info = dataclasses.replace(read_model_info(model), source=source)
     spec = config.speculative_config
     draft = None
     if spec is not None and spec.method == "draft_model" and spec.model is not None:
-        draft = read_model_info(spec.model)
+        if is_object_uri(spec.model):
+            copy = str(local_copy(spec.model, "speculative_config.model"))
+            draft = dataclasses.replace(read_model_info(copy), source=spec.model)
+        else:
+            draft = read_model_info(spec.model)
+    _check_lora_sources(config.lora_config)
     env = gather_environment(config)
     resolved = resolve_config(config, model_info, env, draft, usage_context)
     _log_engine_config(resolved, env)
     return resolved
+
+
+def _check_lora_sources(lora: LoRAConfig) -> None:
+    """Adapters in object storage are copied when first used; a URI that cannot be read fails here, before any
+    worker is placed."""
+    for name, path in parse_lora_modules(lora.lora_modules).items():
+        if is_object_uri(path):
+            check_source(path, f"lora_modules ({name})")
+    if is_object_uri(lora.dynamic_lora_loading_path):
+        check_source(lora.dynamic_lora_loading_path, "dynamic_lora_loading_path")
 
 
 def resolve_deployment_here(config: EngineConfig) -> Deployment:

@@ -7,6 +7,7 @@ import itertools
 from pathlib import Path
 
 from raylm.common.lora_request import LoRARequest
+from raylm.common.object_storage import folders_holding, is_object_uri, object_exists
 from raylm.configs.engine_config import LoRAConfig
 from raylm.configs.lora import parse_lora_modules
 
@@ -40,14 +41,22 @@ class LoRARegistry:
     def get(self, name: str) -> LoRARequest | None:
         return self.adapters.get(name)
 
-    def dynamic_folder(self, name: str) -> Path | None:
-        """The adapter's folder under dynamic_lora_loading_path, if there is one."""
+    def dynamic_folder(self, name: str) -> Path | str | None:
+        """The adapter's folder under dynamic_lora_loading_path (a local folder or an object-storage prefix), if
+        there is one."""
         if not self.enabled or self.dynamic_path is None or "/" in name or name in ("", ".", ".."):
             return None
+        if is_object_uri(self.dynamic_path):
+            uri = f"{self.dynamic_path.rstrip('/')}/{name}"
+            return uri if object_exists(f"{uri}/adapter_config.json", "dynamic_lora_loading_path") else None
         folder = Path(self.dynamic_path) / name
         return folder if folder.is_dir() else None
 
     def dynamic_names(self) -> list[str]:
-        if not self.enabled or self.dynamic_path is None or not Path(self.dynamic_path).is_dir():
+        if not self.enabled or self.dynamic_path is None:
+            return []
+        if is_object_uri(self.dynamic_path):
+            return folders_holding(self.dynamic_path, "adapter_config.json", "dynamic_lora_loading_path")
+        if not Path(self.dynamic_path).is_dir():
             return []
         return sorted(p.name for p in Path(self.dynamic_path).iterdir() if (p / "adapter_config.json").is_file())

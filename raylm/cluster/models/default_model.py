@@ -1,6 +1,6 @@
-"""Where the model comes from: a local folder or .gguf file, the Hugging Face cache or hub, or the default:
-SmolLM2-135M-Instruct where this machine has fetched it (cluster.models.default_gguf), else the tiny random-weight
-model."""
+"""Where the model comes from: a local folder or .gguf file, object storage (s3://, gs://: copied into the user
+cache), the Hugging Face cache or hub, or the default: SmolLM2-135M-Instruct where this machine has fetched it
+(cluster.models.default_gguf), else the tiny random-weight model."""
 from __future__ import annotations
 
 import sys
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from raylm.cluster.models.default_gguf import DEFAULT_GGUF_NAME, default_gguf_path
 from raylm.cluster.models.tiny_model import DEFAULT_MODEL_NAME, make_tiny_model
+from raylm.common.object_storage import is_object_uri, local_copy
 from raylm.configs import ModelConfig
 from raylm.configs.gguf_metadata import is_gguf
 
@@ -19,6 +20,8 @@ def resolve_model(model_config: ModelConfig) -> ModelConfig:
     if model is None:
         model = str(build_default_model())
         print(f"raylm: model: {describe_default_model(Path(model))}", file=sys.stderr, flush=True)
+    elif is_object_uri(model):
+        model = _object_storage_copy(model)
     elif not (Path(model).is_dir() or is_gguf(model)):
         model = _download(model)
     return model_config.model_copy(update={"model": model, "served_model_name": served_model_name(model_config)})
@@ -51,6 +54,15 @@ def describe_default_model(path: Path) -> str:
         return f"{DEFAULT_GGUF_NAME} (Q4_1 GGUF, the default; {path})"
     return (f"{DEFAULT_MODEL_NAME}, the tiny random-weight default (its output is noise); scripts/bootstrap.sh "
             f"(or scripts/fetch_default_model.py) fetches {DEFAULT_GGUF_NAME}, which answers")
+
+
+def _object_storage_copy(uri: str) -> str:
+    """This node's copy of the checkpoint at `uri`; the workers copy it to theirs (ModelInfo.source)."""
+    path = local_copy(uri, "model")
+    if not ((path / "config.json").is_file() or is_gguf(path)):
+        raise ValueError(f"model: {uri} is neither a Hugging Face checkpoint folder (no config.json under the prefix) "
+                         f"nor a .gguf object; name the prefix that holds config.json and the weights, or the .gguf")
+    return str(path)
 
 
 def _download(model_id: str) -> str:

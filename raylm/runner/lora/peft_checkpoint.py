@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from raylm.common.object_storage import is_object_uri, local_copy
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -97,6 +99,8 @@ def load_lora_model(name: str, path: str | Path, hf_config: PretrainedConfig, ma
 
 def _read(name: str, path: str | Path, hf_config: PretrainedConfig, max_lora_rank: int, load: bool,
           dtype: torch.dtype = torch.float32) -> LoRAModel:
+    if is_object_uri(path):  # this node's copy: the engine's check and each worker's load share it
+        path = local_copy(str(path), f"LoRA adapter {name!r}")
     config = read_adapter_config(name, path)
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     if rank > max_lora_rank:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from raylm.common.object_storage import checkpoint_here
 from raylm.common.sampling_params import _GREEDY_EPS
 from raylm.configs import EngineConfig
 from raylm.configs.model_info import ModelInfo
@@ -51,7 +52,8 @@ class DraftModelProposer(Proposer):
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         assert self.draft.hf_config is not None
-        self.model = load_model(self.draft.path, self.draft.hf_config, dtype=self.dtype, device=self.device)
+        path = checkpoint_here(self.draft.path, self.draft.source, "speculative_config.model")
+        self.model = load_model(path, self.draft.hf_config, dtype=self.dtype, device=self.device)
 
     def attention_layers(self) -> list[Attention]:
         assert self.model is not None, "load_model first"

@@ -1,0 +1,314 @@
+"""Weights from object storage, against a real S3 server (moto's, started here; the client is s3fs, unmocked): a tiny
+checkpoint served from s3:// generates what its local folder does; a Ray worker on a node whose cache lacks the copy
+fetches its own; two processes fetching at once make one download; a download killed half-way is continued from its
+part; an object changed in the bucket is fetched again; LoRA adapters load from s3:// (named, and on demand from a
+dynamic_lora_loading_path); bad URIs, missing objects and missing credentials are refused naming the field."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from moto.server import ThreadedMotoServer
+
+from raylm.cluster import LLM, SamplingParams
+from raylm.cluster.engine.lora_registry import LoRARegistry
+from raylm.cluster.models.default_model import resolve_model
+from raylm.common.lora_request import LoRARequest
+from raylm.common.object_storage import local_copy
+from raylm.configs.cache import cache_path, content_key
+from raylm.configs.engine_config import LoRAConfig, ModelConfig
+from raylm.configs.envs import cache_dir
+from tests.gguf_files import write_gguf
+from tests.lora_utils import make_adapter, peft_greedy
+from tests.reference import TOP_K, check_logprobs_close, hf_greedy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUCKET = f"raylm-test-{uuid.uuid4().hex[:8]}"  # a run's own URIs: their copies never meet another run's
+ENGINE = dict(max_model_len=128, block_size=4, disable_log_stats=True)
+PROMPTS = [[5, 17, 300, 42], [9, 8, 7]]
+MAX_TOKENS = 8
+
+
+class RecordingMotoServer(ThreadedMotoServer):
+    """moto's threaded S3 server, its WSGI app wrapped to record each request's method, path and Range header."""
+
+    def __init__(self) -> None:
+        super().__init__(ip_address="127.0.0.1", port=0, verbose=False)
+        self.requests: list[tuple[str, str, str | None]] = []
+
+    def _server_entry(self) -> None:
+        from moto.moto_server.threaded_moto_server import MotoRequestHandler
+        from moto.server import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import make_server
+
+        app = DomainDispatcherApplication(create_backend_app)
+
+        def recording(environ: dict[str, Any], start_response: Any) -> Any:
+            self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("HTTP_RANGE")))
+            return app(environ, start_response)
+
+        self._server = make_server(self._ip_address, self._port, recording, True, request_handler=MotoRequestHandler)
+        self._server_ready_event.set()
+        self._server.serve_forever()
+
+
+@dataclass
+class S3:
+    server: RecordingMotoServer
+    uploaded: set[str] = field(default_factory=set)
+
+    def upload(self, local: Path, key: str) -> str:
+        """Put a folder (or one file) at s3://BUCKET/key, once; its URI."""
+        if key not in self.uploaded:
+            fs = fsspec.filesystem("s3", skip_instance_cache=True)
+            if local.is_dir():
+                for path in sorted(p for p in local.rglob("*") if p.is_file()):
+                    fs.pipe_file(f"{BUCKET}/{key}/{path.relative_to(local)}", path.read_bytes())
+            else:
+                fs.pipe_file(f"{BUCKET}/{key}", local.read_bytes())
+            self.uploaded.add(key)
+        return f"s3://{BUCKET}/{key}"
+
+    def gets(self, key_part: str) -> list[str | None]:
+        """The Range headers of the object GETs (not listings) whose path contains `key_part`."""
+        return [rng for method, path, rng in self.server.requests
+                if method == "GET" and key_part in path and path.count("/") > 1]
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3]:
+    server = RecordingMotoServer()
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as env:
+        # The usual environment, as s3fs (botocore) reads it, and nothing from this machine's own AWS set-up.
+        for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                            "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_DEFAULT_REGION": "us-east-1",
+                            "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                            "AWS_EC2_METADATA_DISABLED": "true"}.items():
+            env.setenv(name, value)
+        fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)
+        yield S3(server)
+    server.stop()
+
+
+def copy_root(uri: str) -> Path:
+    return cache_path("object-storage", content_key(uri))
+
+
+@pytest.fixture(autouse=True)
+def cache(s3: S3) -> Iterator[Path]:
+    """The user cache (its CPU kernels built already), holding no copy of this run's URIs when each test starts."""
+    yield cache_dir()
+    for key in s3.uploaded:
+        shutil.rmtree(copy_root(f"s3://{BUCKET}/{key}"), ignore_errors=True)
+
+
+def node_cache(tmp_path: Path) -> Path:
+    """A cache for a second node: the built kernels and plans linked in, no object-storage copies."""
+    cache = tmp_path / "other-node-cache"
+    cache.mkdir()
+    for entry in cache_dir().iterdir():
+        if entry.name != "object-storage":
+            (cache / entry.name).symlink_to(entry)
+    return cache
+
+
+Result = list[tuple[list[int], list[dict[int, float]]]]
+
+
+def generate(llm: LLM, lora_request: LoRARequest | None = None) -> Result:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
+    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def adapter(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_adapter(llama_path, tmp_path_factory.mktemp("adapters") / "sql", seed=1, r=8)
+
+
+def test_llm_and_an_adapter_from_s3_match_transformers(s3: S3, llama_path: Path, adapter: Path, cache: Path) -> None:
+    """The copy is the local folder byte for byte, and the engine serving it (base and adapter) answers as
+    transformers and PEFT do from the local folder."""
+    uri, adapter_uri = s3.upload(llama_path, "tiny-llama"), s3.upload(adapter, "adapters/sql")
+    llm = LLM(model=uri, enable_lora=True, max_lora_rank=8, **ENGINE)
+    info = llm.llm_engine.config.model_info
+    copy = Path(info.path)
+    assert info.source == uri and copy.is_relative_to(cache) and files_of(copy) == files_of(llama_path)
+    check_logprobs_close(hf_greedy(llama_path, PROMPTS, MAX_TOKENS), generate(llm), "base from s3")
+    check_logprobs_close(peft_greedy(llama_path, adapter, PROMPTS, MAX_TOKENS),
+                         generate(llm, LoRARequest("sql", 1, adapter_uri)), "adapter from s3")
+    assert files_of(copy_root(adapter_uri) / "sql") == files_of(adapter)
+    # Beside the copy: each object's size and ETag as the bucket lists them.
+    manifest = json.loads((copy_root(uri) / "manifest.json").read_text())
+    listed = fsspec.filesystem("s3", skip_instance_cache=True).find(f"{BUCKET}/tiny-llama", detail=True)
+    assert {rel: (entry["size"], entry["etag"]) for rel, entry in manifest["files"].items()} == \
+           {key.split("tiny-llama/")[1]: (e["size"], e["ETag"].strip('"')) for key, e in listed.items()}
+
+
+def test_adapters_on_demand_from_a_dynamic_loading_prefix(s3: S3, adapter: Path) -> None:
+    uri = s3.upload(adapter, "adapters/sql")
+    registry = LoRARegistry(LoRAConfig(enable_lora=True, dynamic_lora_loading_path=f"s3://{BUCKET}/adapters"), "base")
+    assert registry.dynamic_names() == ["sql"]
+    assert registry.dynamic_folder("sql") == uri and registry.dynamic_folder("nope") is None
+
+
+def test_a_ray_worker_on_another_node_copies_it_there(s3: S3, llama_path: Path, cache: Path, tmp_path: Path) -> None:
+    """The worker actor's cache is another folder than the engine's, as on another node: it fetches its own copy."""
+    import ray
+
+    uri = s3.upload(llama_path, "tiny-llama")
+    worker_cache = node_cache(tmp_path)
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {"RAYLM_CACHE_DIR": str(worker_cache), "PYTHONPATH": str(REPO_ROOT)}})
+    try:
+        before = len(s3.gets("model.safetensors"))
+        llm = LLM(model=uri, distributed_executor_backend="ray", **ENGINE)
+        check_logprobs_close(hf_greedy(llama_path, PROMPTS, MAX_TOKENS), generate(llm), "base from s3 on Ray")
+        del llm
+    finally:
+        ray.shutdown()
+    assert len(s3.gets("model.safetensors")) - before == 2  # the engine's node, then the worker's
+    key = content_key(uri)
+    engine_copy, worker_copy = (root / "object-storage" / key / "tiny-llama" for root in (cache, worker_cache))
+    assert files_of(engine_copy) == files_of(worker_copy) == files_of(llama_path)
+
+
+def test_two_processes_fetching_at_once_download_once(s3: S3, llama_path: Path, tmp_path: Path) -> None:
+    uri = s3.upload(llama_path, "tiny-llama")
+    go = tmp_path / "go"
+    script = textwrap.dedent(f"""
+        import pathlib, sys, time
+        from raylm.common.object_storage import local_copy
+        pathlib.Path(sys.argv[1]).touch()
+        while not pathlib.Path({str(go)!r}).exists():
+            time.sleep(0.002)
+        print(local_copy({uri!r}, "model"))
+    """)
+    before = {name: len(s3.gets(f"tiny-llama/{name}")) for name in files_of(llama_path)}
+    ready = [tmp_path / f"ready-{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(flag)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              text=True) for flag in ready]
+    deadline = time.monotonic() + 60
+    while not all(flag.exists() for flag in ready) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()  # both start copying together
+    paths = [proc.communicate(timeout=60)[0].strip() for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs) and paths[0] == paths[1]
+    assert files_of(Path(paths[0])) == files_of(llama_path)
+    assert {name: len(s3.gets(f"tiny-llama/{name}")) - n for name, n in before.items()} == dict.fromkeys(before, 1)
+
+
+def test_a_download_killed_half_way_is_continued(s3: S3, llama_path: Path, cache: Path) -> None:
+    """A process killed in its third 4 KiB request of the weights leaves the files before them done and 8 KiB of
+    the weights in a part; the next copy fetches only the rest of the weights, from byte 8192."""
+    uri = s3.upload(llama_path, "tiny-llama")
+    script = textwrap.dedent(f"""
+        import os, signal
+        from raylm.common import object_storage
+        object_storage.CHUNK_BYTES = 4096
+        real_filesystem = object_storage._filesystem
+
+        def filesystem(uri, field):
+            fs = real_filesystem(uri, field)
+            cat_file, starts = fs.cat_file, []
+
+            def killed_on_the_third_weights_chunk(path, start=None, end=None, **kwargs):
+                if path.endswith("model.safetensors"):
+                    starts.append(start)
+                    if len(starts) == 3:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return cat_file(path, start=start, end=end, **kwargs)
+
+            fs.cat_file = killed_on_the_third_weights_chunk
+            return fs
+
+        object_storage._filesystem = filesystem
+        object_storage.local_copy({uri!r}, "model")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == -9, result.stderr
+    root = copy_root(uri)
+    assert not (root / "tiny-llama" / "model.safetensors").exists()  # a half-written file is never in the copy
+    assert (root / "partial" / "model.safetensors").stat().st_size == 8192
+    assert (root / "tiny-llama" / "config.json").read_bytes() == (llama_path / "config.json").read_bytes()
+
+    before = len(s3.server.requests)
+    copy = local_copy(uri, "model")
+    resumed = [(path, rng) for method, path, rng in s3.server.requests[before:] if method == "GET" and "?" not in path]
+    weights_size = (llama_path / "model.safetensors").stat().st_size
+    assert (f"/{BUCKET}/tiny-llama/model.safetensors", f"bytes=8192-{weights_size - 1}") in resumed
+    assert not any(path == f"/{BUCKET}/tiny-llama/config.json" for path, _ in resumed)
+    assert files_of(copy) == files_of(llama_path) and not any((root / "partial").rglob("*.safetensors"))
+
+
+def test_an_object_changed_in_the_bucket_is_fetched_again(s3: S3, llama_path: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "changing"
+    folder.mkdir()
+    (folder / "a.txt").write_text("first")
+    (folder / "b.txt").write_text("kept")
+    uri = s3.upload(folder, "changing")
+    copy = local_copy(uri, "model")
+    fsspec.filesystem("s3", skip_instance_cache=True).pipe_file(f"{BUCKET}/changing/a.txt", b"second, longer")
+    before = len(s3.gets("changing/b.txt"))
+    assert local_copy(uri, "model") == copy and (copy / "a.txt").read_text() == "second, longer"
+    assert len(s3.gets("changing/b.txt")) == before  # the unchanged object stays as copied
+
+
+def test_a_gguf_object_is_copied_as_a_file(s3: S3, llama_path: Path, tmp_path: Path) -> None:
+    import gguf
+
+    path = write_gguf(llama_path, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.F32)
+    uri = s3.upload(path, "gguf/tiny.gguf")
+    copy = Path(resolve_model(ModelConfig(model=uri)).model or "")
+    assert copy.name == "tiny.gguf" and copy.read_bytes() == path.read_bytes()
+
+
+@pytest.mark.parametrize(("settings", "error"), [
+    (dict(model="s3://{bucket}/missing"), "model: s3://{bucket}/missing holds no objects"),
+    (dict(model="s3://"), "model: 's3://' names no bucket"),
+    (dict(model="s3://{bucket}"), "model: 's3://{bucket}' names no object or prefix"),
+    (dict(model="{local}", enable_lora=True, lora_modules=["sql=s3://{bucket}/adapters/none"]),
+     "lora_modules (sql): s3://{bucket}/adapters/none holds no objects"),
+    (dict(model="{local}", enable_lora=True, dynamic_lora_loading_path="s3://no-such-bucket/adapters"),
+     "dynamic_lora_loading_path: s3://no-such-bucket/adapters holds no objects"),
+])
+def test_bad_sources_are_refused_naming_the_field(s3: S3, llama_path: Path, settings: dict[str, Any],
+                                                  error: str) -> None:
+    settings = {name: value.format(local=llama_path, bucket=BUCKET) if isinstance(value, str) else
+                [v.format(bucket=BUCKET) for v in value] if isinstance(value, list) else value
+                for name, value in settings.items()}
+    with pytest.raises(ValueError, match=re.escape(error.format(bucket=BUCKET))) as refused:
+        LLM(**settings, **ENGINE)
+    assert "s3://bucket/prefix" in str(refused.value)  # and what would work
+
+
+def test_missing_credentials_are_refused_naming_the_variables(s3: S3, llama_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = s3.upload(llama_path, "tiny-llama")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(ValueError, match=re.escape(f"model: {uri}: no credentials were found") + ".*" +
+                       "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+        LLM(model=uri, **ENGINE)
+    assert os.environ["AWS_ENDPOINT_URL"]  # the server was there: only the credentials were missing
