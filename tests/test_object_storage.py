@@ -173,24 +173,29 @@ def test_adapters_on_demand_from_a_dynamic_loading_prefix(s3: S3, adapter: Path)
 
 
 def test_a_ray_worker_on_another_node_copies_it_there(s3: S3, llama_path: Path, cache: Path, tmp_path: Path) -> None:
-    """The worker actor's cache is another folder than the engine's, as on another node: it fetches its own copy."""
+    """The worker actor's cache is another folder than the engine's, as on another node: it fetches its own copy of
+    the model and of the draft model (the same checkpoint under another prefix: a draft always accepted)."""
     import ray
 
-    uri = s3.upload(llama_path, "tiny-llama")
+    uri, draft_uri = s3.upload(llama_path, "tiny-llama"), s3.upload(llama_path, "tiny-draft")
     worker_cache = node_cache(tmp_path)
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              runtime_env={"env_vars": {"RAYLM_CACHE_DIR": str(worker_cache), "PYTHONPATH": str(REPO_ROOT)}})
     try:
-        before = len(s3.gets("model.safetensors"))
-        llm = LLM(model=uri, distributed_executor_backend="ray", **ENGINE)
+        before = {name: len(s3.gets(f"{name}/model.safetensors")) for name in ("tiny-llama", "tiny-draft")}
+        llm = LLM(model=uri, distributed_executor_backend="ray", speculative_config={
+            "method": "draft_model", "model": draft_uri, "num_speculative_tokens": 2}, **ENGINE)
         check_logprobs_close(hf_greedy(llama_path, PROMPTS, MAX_TOKENS), generate(llm), "base from s3 on Ray")
         del llm
     finally:
         ray.shutdown()
-    assert len(s3.gets("model.safetensors")) - before == 2  # the engine's node, then the worker's
-    key = content_key(uri)
-    engine_copy, worker_copy = (root / "object-storage" / key / "tiny-llama" for root in (cache, worker_cache))
-    assert files_of(engine_copy) == files_of(worker_copy) == files_of(llama_path)
+    # One download per node: the engine's, then the worker's.
+    assert {name: len(s3.gets(f"{name}/model.safetensors")) - n for name, n in before.items()} == \
+           {"tiny-llama": 2, "tiny-draft": 2}
+    for name, source in (("tiny-llama", uri), ("tiny-draft", draft_uri)):
+        engine_copy, worker_copy = (root / "object-storage" / content_key(source) / name
+                                    for root in (cache, worker_cache))
+        assert files_of(engine_copy) == files_of(worker_copy) == files_of(llama_path)
 
 
 def test_two_processes_fetching_at_once_download_once(s3: S3, llama_path: Path, tmp_path: Path) -> None:

@@ -20,19 +20,20 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from raylm.configs.cache import cache_path, content_key
 
 SCHEMES = ("s3://", "gs://", "gcs://")
 CHUNK_BYTES = 64 << 20  # one ranged GET each: large enough to stream, small enough to hold in memory
-_PACKAGES = {"s3": "s3fs==2026.9.0", "gs": "gcsfs==2026.9.0", "gcs": "gcsfs==2026.9.0"}
+# gs:// needs the gcsfs release of the installed fsspec's version (s3fs, a dependency, pins fsspec)
+_PACKAGES = {"s3": "s3fs==2026.9.0", "gs": "gcsfs==<fsspec's version>", "gcs": "gcsfs==<fsspec's version>"}
 _HINT = ("give s3://bucket/prefix (or gs://bucket/prefix) of objects that this machine's credentials can read: "
          "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an instance role), with AWS_ENDPOINT_URL "
          "for an S3-compatible server; GOOGLE_APPLICATION_CREDENTIALS for gs://")
 
 
-def is_object_uri(path: object) -> bool:
+def is_object_uri(path: object) -> TypeGuard[str]:
     return isinstance(path, str) and path.startswith(SCHEMES)
 
 

@@ -32,7 +32,8 @@ def resolve_engine_config(config: EngineConfig, usage_context: UsageContext = "e
     comes back as it is."""
     if config.resolution is not None:
         return config
-    source = config.model_config.model if is_object_uri(config.model_config.model) else ""
+    model = config.model_config.model
+    source = model if is_object_uri(model) else ""
     config = dataclasses.replace(config, model_config=resolve_model(config.model_config))
     model = config.model_config.model
     assert model is not None
@@ -58,8 +59,9 @@ def _check_lora_sources(lora: LoRAConfig) -> None:
     for name, path in parse_lora_modules(lora.lora_modules).items():
         if is_object_uri(path):
             check_source(path, f"lora_modules ({name})")
-    if is_object_uri(lora.dynamic_lora_loading_path):
-        check_source(lora.dynamic_lora_loading_path, "dynamic_lora_loading_path")
+    dynamic = lora.dynamic_lora_loading_path
+    if is_object_uri(dynamic):
+        check_source(dynamic, "dynamic_lora_loading_path")
 
 
 def resolve_deployment_here(config: EngineConfig) -> Deployment:
