@@ -1,8 +1,9 @@
 """Weights from object storage, against a real S3 server (moto's, started here; the client is s3fs, unmocked): a tiny
-checkpoint served from s3:// generates what its local folder does; a Ray worker on a node whose cache lacks the copy
-fetches its own; two processes fetching at once make one download; a download killed half-way is continued from its
-part; an object changed in the bucket is fetched again; LoRA adapters load from s3:// (named, and on demand from a
-dynamic_lora_loading_path); bad URIs, missing objects and missing credentials are refused naming the field."""
+checkpoint and a LoRA adapter served from s3:// (offline, and over HTTP with the adapter found on demand under a
+dynamic_lora_loading_path) give transformers' and PEFT's tokens from the local folder, their copies byte-identical; a
+Ray worker on a node whose cache lacks the copies fetches its own (model and draft); two processes fetching at once
+make one download; a download killed half-way is continued from its part; an object changed in the bucket is fetched
+again; bad URIs, missing objects and missing credentials are refused naming the field."""
 from __future__ import annotations
 
 import json
@@ -22,16 +23,17 @@ from typing import Any
 import fsspec
 import pytest
 from moto.server import ThreadedMotoServer
+from transformers import AutoTokenizer
 
 from raylm.cluster import LLM, SamplingParams
-from raylm.cluster.engine.lora_registry import LoRARegistry
 from raylm.cluster.models.default_model import resolve_model
 from raylm.common.lora_request import LoRARequest
 from raylm.common.object_storage import local_copy
 from raylm.configs.cache import cache_path, content_key
-from raylm.configs.engine_config import LoRAConfig, ModelConfig
+from raylm.configs.engine_config import ModelConfig
 from raylm.configs.envs import cache_dir
 from tests.gguf_files import write_gguf
+from tests.http_server import served_engine
 from tests.lora_utils import make_adapter, peft_greedy
 from tests.reference import TOP_K, check_logprobs_close, hf_greedy
 
@@ -165,11 +167,24 @@ def test_llm_and_an_adapter_from_s3_match_transformers(s3: S3, llama_path: Path,
            {key.split("tiny-llama/")[1]: (e["size"], e["ETag"].strip('"')) for key, e in listed.items()}
 
 
-def test_adapters_on_demand_from_a_dynamic_loading_prefix(s3: S3, adapter: Path) -> None:
-    uri = s3.upload(adapter, "adapters/sql")
-    registry = LoRARegistry(LoRAConfig(enable_lora=True, dynamic_lora_loading_path=f"s3://{BUCKET}/adapters"), "base")
-    assert registry.dynamic_names() == ["sql"]
-    assert registry.dynamic_folder("sql") == uri and registry.dynamic_folder("nope") is None
+def test_openai_server_serves_the_model_and_adapters_on_demand_from_s3(s3: S3, llama_path: Path,
+                                                                        adapter: Path) -> None:
+    """`raylm serve s3://...` with a dynamic_lora_loading_path prefix: /v1/models lists the adapter found there, and
+    completions of the base model and of the adapter (loaded on first use) are transformers' and PEFT's tokens."""
+    uri, _ = s3.upload(llama_path, "tiny-llama"), s3.upload(adapter, "adapters/sql")
+    tokenizer = AutoTokenizer.from_pretrained(llama_path)
+    references = {uri: hf_greedy(llama_path, PROMPTS[:1], MAX_TOKENS),
+                  "sql": peft_greedy(llama_path, adapter, PROMPTS[:1], MAX_TOKENS)}
+    with served_engine(uri, enable_lora=True, max_lora_rank=8,  # type: ignore[arg-type]  (a URI, not a Path)
+                       dynamic_lora_loading_path=f"s3://{BUCKET}/adapters") as (server, _):
+        status, body = server.request("GET", "/v1/models")
+        assert status == 200 and {card["id"]: card["parent"] for card in body["data"]} == {uri: None, "sql": uri}
+        for model, (((tokens, _),)) in references.items():
+            status, body = server.request("POST", "/v1/completions", {
+                "model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "ignore_eos": True, "logprobs": 0})
+            assert status == 200, body
+            assert body["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in tokens], model
 
 
 def test_a_ray_worker_on_another_node_copies_it_there(s3: S3, llama_path: Path, cache: Path, tmp_path: Path) -> None:
