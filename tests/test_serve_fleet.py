@@ -19,16 +19,20 @@ from typing import Any
 import openai
 import pytest
 import ray
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray._private.state import actors
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.serve.app import build_app, start_serve
+from raylm.cluster.serve.asgi_relay import RelayedRequest
 from raylm.cluster.serve.lora_serve import REPLICA_HEADER
+from raylm.cluster.serve.serve_router import request_text
 from raylm.common.lora_request import LoRARequest
 from tests.lora_utils import make_adapter
 
+FLEET_CONFIG = Path(__file__).resolve().parents[1] / "raylm" / "configs" / "serve-fleet-tiny.yaml"
 PROMPT = [5, 9, 13]
 MAX_TOKENS = 5
 ENGINE = {"max_model_len": 128, "disable_log_stats": True}
@@ -67,17 +71,21 @@ def offline(checkpoints: dict[str, Path], adapters: dict[str, Path]) -> dict[str
 
 @pytest.fixture(scope="module")
 def base_url(checkpoints: dict[str, Path], adapters: dict[str, Path]) -> Iterator[str]:
+    """The app of serve-fleet-tiny.yaml, its two models the tiny Llama (2 replicas, LoRA) and Qwen2."""
     port = _free_port()  # not Serve's default 8000: other Serve tests may run on this machine
+    lora_entry, plain_entry = yaml.safe_load(FLEET_CONFIG.read_text())["applications"][0]["args"]["llm_configs"]
+    assert (lora_entry["enable_lora"], lora_entry["min_replicas"]) == (True, 2)
+    llm_configs = [
+        lora_entry | ENGINE | {"model": str(checkpoints["llama"]), "served_model_name": "llama",
+                               "dynamic_lora_loading_path": str(adapters["sql"].parent)},
+        plain_entry | ENGINE | {"model": str(checkpoints["qwen2"]), "served_model_name": "qwen"},
+    ]
     ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
         start_serve("127.0.0.1", port)
         with pytest.MonkeyPatch.context() as patch:  # the opt-in, read where the app is built
             patch.setenv("RAYLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
-            app = build_app({"llm_configs": [
-                {"model": str(checkpoints["llama"]), "served_model_name": "llama", **ENGINE, **LORA,
-                 "dynamic_lora_loading_path": str(adapters["sql"].parent), "min_replicas": 2, "max_replicas": 2},
-                {"model": str(checkpoints["qwen2"]), "served_model_name": "qwen", **ENGINE},
-            ]})
+            app = build_app({"llm_configs": llm_configs})
         serve.run(app, name="fleet", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -186,3 +194,27 @@ def test_bad_runtime_adapter_is_refused_everywhere(base_url: str, tmp_path: Path
     assert status == 400 and "name one of ['llama']" in body
     status, body, _ = post(base_url, "/v1/unload_lora_adapter", {"lora_name": "broken"})
     assert status == 404, body
+
+
+def test_fleet_settings_errors_name_the_field(llama_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"served_model_name must differ between models; got \['a', 'a'\]"):
+        build_app({"llm_configs": [{"model": str(llama_path), "served_model_name": "a"}] * 2})
+    with pytest.raises(ValueError, match="llm_configs: a non-empty list of engine settings"):
+        build_app({"llm_configs": [], "model": str(llama_path)})
+    with pytest.raises(ValueError, match="each entry is a dict of engine settings or a YAML path; got 3"):
+        build_app({"llm_configs": [3]})
+
+
+def test_relayed_requests_are_routed_by_their_prompt() -> None:
+    """The fleet ingress relays requests as they came: the prefix router reads their prompt from the JSON body, and
+    a conversation's next turn starts with the text of the turns before it."""
+    def relayed(body: dict[str, Any]) -> RelayedRequest:
+        return RelayedRequest("POST", "/v1/chat/completions", body=json.dumps(body).encode())
+
+    turns = [{"role": "system", "content": "Be brief." * 20}, {"role": "user", "content": "Hi"}]
+    first = request_text([relayed({"model": "m", "messages": turns})])
+    second = request_text([relayed({"model": "m", "messages": [*turns, {"role": "assistant", "content": "Hello"},
+                                                                 {"role": "user", "content": "Again"}]})])
+    assert len(first) > 64 and second.startswith(first)
+    assert request_text([relayed({"model": "m", "prompt": [5, 9, 13]})]) == "5,9,13"
+    assert request_text([RelayedRequest("GET", "/v1/models")]) == ""

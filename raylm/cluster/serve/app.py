@@ -7,7 +7,7 @@ with prefix caching, and max_replicas > 1) sit behind an OpenAI ingress instead,
 the prompts (serve_ingress.py); serve_pd.py builds the disaggregated prefill/decode app. With tensor or pipeline
 parallel > 1, Serve creates the replica in a placement group of the engine's bundles (the replica takes the engine's
 bundle, its Ray executor's workers the rest), checked against the cluster when the app is built. Replicas autoscale
-on ongoing requests.
+on ongoing requests. `llm_configs` builds a fleet, one deployment per model behind one ingress (fleet.py).
 
 Serve's proxy relays every SSE event of every stream, so how it talks to the replica sets the token rate: start Serve
 with `start_serve` (or a Serve config's `controller_options`) to give the proxy SERVE_ENV_VARS.
@@ -64,7 +64,7 @@ SERVE_ENV_VARS = REPLICA_ENV_VARS | {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE
 
 class LLMEngineServer(LLMServerHandles):
     """One replica, one engine, the OpenAI app over it. Behind an ingress it answers handle calls: the OpenAI ingress
-    of replicas routed by prefix and the PD proxy (serve_handles.py), the LoRA ingress (`relay`, lora_serve.py); as
+    of replicas routed by prefix and the PD proxy (serve_handles.py), the fleet ingress (`relay`, fleet.py); as
     LLMServer it is the app's HTTP entry itself. /metrics answers from the replica that gets the request, its series
     labelled with that replica's id; the same series go to Ray's metrics from every replica."""
 

@@ -163,7 +163,7 @@ def merge_expositions(texts: Iterable[bytes]) -> bytes:
             if known is not family:
                 known.samples.extend(family.samples)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(list(families.values())))  # type: ignore[arg-type]
+    registry.register(_Families(list(families.values())))
     return generate_latest(registry)
 
 

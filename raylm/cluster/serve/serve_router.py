@@ -1,6 +1,6 @@
 """PrefixAwareRequestRouter: Ray Serve's custom request router API (`ray.serve.request_router.RequestRouter`, as Ray
 Serve LLM's PrefixCacheAffinityRouter uses it) with raylm's PrefixRouter, for LLMServer replicas called through a
-deployment handle (raylm's OpenAI ingress and PD proxy).
+deployment handle (raylm's OpenAI ingress, PD proxy and fleet ingress).
 
 Serve asks `choose_replicas` for ranks of replicas and sends the request to the least loaded available one of the
 first rank it can. Here the first rank is PrefixRouter's choice: the replica whose recent prompts share the longest
@@ -12,12 +12,14 @@ router (one per ingress replica), so a conversation keeps its replica whichever 
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import ray
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from raylm.cluster.dp.prefix_router import PrefixRouter, text_block_hashes
+from raylm.cluster.serve.asgi_relay import RelayedRequest
 from raylm.configs.kv_transfer import RoutingConfig
 
 # Prompt chunks an index keeps per replica (a replica's engine may cache more; a router outlives many prompts).
@@ -29,7 +31,25 @@ def prompt_text(request: Any) -> str:
     messages = getattr(request, "messages", None)
     if messages is not None:
         return "".join(f"{message.role}\n{message.text()}\n" for message in messages)
-    prompt = getattr(request, "prompt", None)
+    return _prompt_text(getattr(request, "prompt", None))
+
+
+def relayed_prompt_text(request: RelayedRequest) -> str:
+    """The same for a request the fleet ingress relays as it came (its JSON body): a conversation's messages one
+    after the other, each as JSON, so that a longer conversation's text starts with a shorter one's."""
+    try:
+        payload = json.loads(request.body) if request.body else None
+    except ValueError:
+        return ""
+    if not isinstance(payload, dict):
+        return ""
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        return "".join(json.dumps(message, sort_keys=True) for message in messages)
+    return _prompt_text(payload.get("prompt"))
+
+
+def _prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -75,8 +95,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is None or not candidate_replicas:
             return [candidate_replicas]
-        request = next((arg for arg in pending_request.args if hasattr(arg, "model_fields")), None)
-        hashes = text_block_hashes(prompt_text(request)) if request is not None else []
+        hashes = text_block_hashes(request_text(pending_request.args))
         by_id = {replica.replica_id.to_full_id_str(): replica for replica in candidate_replicas}
         cache = self.replica_queue_len_cache
         loads = {key: float(cache.get(replica.replica_id) or 0) for key, replica in by_id.items()}
@@ -89,6 +108,17 @@ class PrefixAwareRequestRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.index.keep_only.remote([replica.replica_id.to_full_id_str() for replica in replicas])
+
+
+def request_text(args: list[Any]) -> str:
+    """The prompt text of a handle call's request: a parsed OpenAI request (the OpenAI ingress, the PD proxy) or a
+    relayed HTTP request (the fleet ingress)."""
+    for arg in args:
+        if isinstance(arg, RelayedRequest):
+            return relayed_prompt_text(arg)
+        if hasattr(arg, "model_fields"):
+            return prompt_text(arg)
+    return ""
 
 
 def prefix_router_config(routing: RoutingConfig) -> Any:
