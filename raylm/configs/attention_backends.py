@@ -48,10 +48,13 @@ _INSTALL = {"flash_attn": "'raylm[flash]'", "triton": "'raylm[triton]'"}
 def layer_sliding_windows(hf_config: PretrainedConfig) -> list[int | None]:
     """Each layer's sliding window (None: global attention), from config.json: `sliding_window` applies to the layers
     `layer_types` names "sliding_attention" (Gemma 2 / 3: transformers fills it from sliding_window_pattern), to
-    every layer without `layer_types` (Mistral), and to none where `use_sliding_window` is false (Qwen2)."""
+    every layer without `layer_types` (Mistral), and to none where `use_sliding_window` is false (Qwen2) or where the
+    window is as long as max_position_embeddings (Phi-3-128k's): such a window never hides a key."""
     num_layers = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+    max_position = getattr(hf_config, "max_position_embeddings", None)
+    if (not window or getattr(hf_config, "use_sliding_window", True) is False
+            or max_position is not None and window >= max_position):
         return [None] * num_layers
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is None:
