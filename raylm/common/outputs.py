@@ -14,6 +14,7 @@ import torch
 
 from raylm.common.kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from raylm.common.lora_request import LoRARequest
+from raylm.common.pooling_params import PoolingParams
 from raylm.common.sampling_params import SamplingParams
 
 # A draft token of `SchedulerOutput.scheduled_spec_decode_tokens` that the runner fills in with its own proposal.
@@ -31,6 +32,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request (an embedding): pooled once its prompt is done
 
 
 @dataclass
@@ -94,6 +96,8 @@ class ModelRunnerOutput:
     # Speculative decoding: the draft tokens proposed for each request's next step, in req_ids order; empty when off.
     spec_token_ids: list[list[int]] = field(default_factory=list)
     kv_connector_output: KVConnectorOutput | None = None  # with a kv_connector: transfers finished or failed
+    # Pooling requests whose prompt finished this step: the pooled vector (CPU, float32); they sample nothing.
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raylm.configs.kv_transfer import KVTransferConfig, RoutingConfig
+from raylm.configs.pooler_config import PoolerConfig
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
@@ -232,6 +233,7 @@ class EngineConfig:
     routing_config: RoutingConfig = field(default_factory=RoutingConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    pooler_config: PoolerConfig | None = None  # None: the checkpoint's (configs/pooler_config.py)
     resolution: ResolvedConfig | None = None
 
     @property

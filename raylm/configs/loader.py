@@ -12,14 +12,15 @@ import yaml
 from pydantic import ValidationError
 
 from raylm.configs.engine_config import SECTIONS, EngineConfig, SpeculativeConfig
+from raylm.configs.pooler_config import PoolerConfig
 
 # field name -> section name, e.g. "max_num_seqs" -> "scheduler_config"
 FIELD_SECTION: dict[str, str] = {
     name: section for section, cls in SECTIONS.items() for name in cls.model_fields
 }
 # Sections given whole under their own name (a mapping in YAML and keywords, JSON on the command line), because their
-# field names repeat other sections' (speculative_config's `model` is the draft's).
-NESTED_SECTIONS: dict[str, type] = {"speculative_config": SpeculativeConfig}
+# field names repeat other sections' (speculative_config's `model` is the draft's), or because vLLM gives them so.
+NESTED_SECTIONS: dict[str, type] = {"speculative_config": SpeculativeConfig, "pooler_config": PoolerConfig}
 CONFIGS_DIR = Path(__file__).resolve().parent
 
 
@@ -105,8 +106,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=name, type=kind, default=None, help=field.description)
     for name in NESTED_SECTIONS:  # parsed (JSON) when the config is made, so the error names the section
         parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                            help=f"{name} as a JSON object, e.g. '{{\"method\": \"ngram\", "
-                                 f"\"num_speculative_tokens\": 3}}'")
+                            help=f"{name} as a JSON object, e.g. {_NESTED_EXAMPLES[name]}")
+
+
+_NESTED_EXAMPLES = {"speculative_config": '\'{"method": "ngram", "num_speculative_tokens": 3}\'',
+                    "pooler_config": '\'{"pooling_type": "MEAN", "normalize": false}\''}
 
 
 def engine_args_from(namespace: argparse.Namespace) -> dict[str, Any]:

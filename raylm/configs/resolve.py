@@ -18,6 +18,7 @@ from raylm.configs.kv_identity import KVIdentity
 from raylm.configs.lora import resolve_lora_config
 from raylm.configs.model_info import ModelInfo, resolve_dtype, resolve_max_model_len, resolve_quantization
 from raylm.configs.parallel_checks import check_parallel_layout
+from raylm.configs.pooler_config import resolve_pooler_config
 from raylm.configs.resolve_sections import (
     check_architecture,
     resolve_kv_transfer,
@@ -138,5 +139,6 @@ def resolve_config(config: EngineConfig, model_info: ModelInfo, env: Environment
         speculative_config=speculative,
         kv_transfer_config=kv_transfer,
         lora_config=lora_config,
+        pooler_config=resolve_pooler_config(config.pooler_config, model_info.path),
         resolution=resolution,
     )

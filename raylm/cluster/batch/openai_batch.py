@@ -1,6 +1,6 @@
-"""The OpenAI Batch file format (what vLLM's run_batch reads and writes): one request a line, `{custom_id, method, url,
-body}`, answered by the OpenAI server's own code (the router over an AsyncLLM) with one output line each, `{id,
-custom_id, response: {status_code, request_id, body}, error}`. A request the server would refuse is answered with its
+"""The OpenAI Batch file format (what vLLM's run_batch reads and writes): one request a line (chat, completions or
+embeddings), `{custom_id, method, url, body}`, answered by the OpenAI server's own code (the router over an AsyncLLM)
+with one output line each, `{id, custom_id, response: {status_code, request_id, body}, error}`. A request the server would refuse is answered with its
 error (status_code and error set, no body), as the server answers it."""
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from raylm.cluster.engine.async_llm import AsyncLLM
 from raylm.cluster.entrypoints.openai.api_server import model_router
 from raylm.cluster.entrypoints.openai.errors import OpenAIError, error_from_exception, error_response
 from raylm.cluster.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from raylm.cluster.entrypoints.openai.router import ModelRouter
+from raylm.cluster.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from raylm.cluster.entrypoints.openai.router import EmbeddingRouter, ModelRouter
 from raylm.cluster.serve.app import replica_torch_threads
 from raylm.configs import EngineConfig
 
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 
 
 class BatchRequestInput(BaseModel):
@@ -48,13 +49,16 @@ async def answer(router: ModelRouter, request: BatchRequestInput) -> dict[str, A
         if request.method.upper() != "POST":
             raise OpenAIError(f"method: {request.method!r}; the batch endpoints take POST", param="method")
         body: ChatCompletionRequest | CompletionRequest
+        if request.url == EMBEDDINGS_URL and isinstance(router, EmbeddingRouter):
+            embeddings = await router.embeddings(EmbeddingRequest.model_validate(request.body))
+            return _output(request.custom_id, HTTPStatus.OK, embeddings.model_dump(mode="json"), None)
         if request.url == CHAT_URL:
             body = ChatCompletionRequest.model_validate(request.body)
         elif request.url == COMPLETIONS_URL:
             body = CompletionRequest.model_validate(request.body)
         else:
-            raise OpenAIError(f"url: {request.url!r} is not answered here; supported: {CHAT_URL}, {COMPLETIONS_URL}",
-                              HTTPStatus.NOT_FOUND, param="url")
+            raise OpenAIError(f"url: {request.url!r} is not answered here; supported: {CHAT_URL}, {COMPLETIONS_URL}, "
+                              f"{EMBEDDINGS_URL}", HTTPStatus.NOT_FOUND, param="url")
         if body.stream:
             raise OpenAIError("stream: a batch answers with whole responses; leave stream unset or false",
                               param="stream")

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from raylm.common.outputs import LogprobsLists
 
 
@@ -22,3 +24,4 @@ class EngineCoreOutput:
     # The whole prompt's, with the first output token: one position per prompt token after the first.
     new_prompt_logprobs: LogprobsLists | None = None
     kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, when the request finishes
+    pooling_output: torch.Tensor | None = None  # a pooling request's vector (CPU, float32), as it finishes

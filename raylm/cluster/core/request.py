@@ -7,10 +7,15 @@ import time
 from typing import TYPE_CHECKING
 
 from raylm.common.lora_request import LoRARequest
+from raylm.common.pooling_params import PoolingParams
 from raylm.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from raylm.cluster.core.structured_output.request import StructuredOutputRequest
+
+
+# What a pooling request carries where every request's sampling settings are read: it never samples.
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, seed=0)
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,6 +56,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -59,6 +65,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority  # smaller is served first (vLLM's convention)
         self.lora_request = lora_request  # None: the base model
+        # A pooling request (an embedding) computes its prompt and finishes with the pooled hidden state; it samples
+        # nothing (its sampling_params are POOLING_SAMPLING_PARAMS, read by the parts that read every request's).
+        self.pooling_params = pooling_params
 
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -30,6 +30,8 @@ from raylm.configs.engine_config import CacheConfig, SchedulerConfig, Speculativ
 from raylm.runner.kv_transfer import KVConnectorBase
 
 if TYPE_CHECKING:
+    import torch
+
     from raylm.cluster.core.block_pool import KVCacheBlock
     from raylm.cluster.core.structured_output import StructuredOutputManager
 
@@ -93,14 +95,19 @@ class Scheduler:
         prompt_len = request.num_prompt_tokens
         if prompt_len == 0:
             raise ValueError("the prompt is empty: at least one prompt token is needed")
-        if prompt_len >= self.max_model_len:
+        if request.pooling_params is not None:  # nothing is generated: the whole context is the prompt's
+            if prompt_len > self.max_model_len:
+                raise ValueError(f"the input has {prompt_len} tokens but max_model_len is {self.max_model_len}: "
+                                 f"an input to pool must have at most max_model_len tokens")
+        elif prompt_len >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {prompt_len} tokens but max_model_len is {self.max_model_len}: the prompt "
                 f"must be shorter than max_model_len to leave room for at least one generated token")
         assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
         room = self.max_model_len - prompt_len
         max_tokens = request.sampling_params.max_tokens
-        request.max_tokens = room if max_tokens is None else min(max_tokens, room)
+        request.max_tokens = 1 if request.pooling_params is not None else (
+            room if max_tokens is None else min(max_tokens, room))
         self.kv_cache_manager.check_fits(request)
         self.requests[request.request_id] = request
         if not self.waiting_for_fsm.add(request):
@@ -198,6 +205,8 @@ class Scheduler:
             computed_blocks: list[KVCacheBlock]
             if request.request_id in self.kv_cache_manager.req_to_blocks:  # its external KV arrived into them
                 computed_blocks, num_computed_tokens = [], request.num_computed_tokens
+            elif request.pooling_params is not None and request.pooling_params.skip_reading_prefix_cache:
+                computed_blocks, num_computed_tokens = [], 0  # it pools every prompt token's hidden state
             else:
                 computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 if self.kv_transfers is not None and (receiving := self.kv_transfers.try_receive(
@@ -236,7 +245,7 @@ class Scheduler:
             scheduled_new_reqs=[
                 NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
                                req.sampling_params, self.kv_cache_manager.get_block_ids(req.request_id),
-                               req.num_computed_tokens, req.lora_request)
+                               req.num_computed_tokens, req.lora_request, req.pooling_params)
                 for req in scheduled_new],
             scheduled_cached_reqs=self._cached_request_data(scheduled_running, new_block_ids),
             num_scheduled_tokens=num_scheduled_tokens,
@@ -270,6 +279,12 @@ class Scheduler:
             request.num_inflight_steps -= 1
             if request.num_stale_steps > 0:
                 request.num_stale_steps -= 1
+                continue
+            if request.pooling_params is not None:
+                pooled = model_runner_output.pooler_output.get(req_id)
+                if pooled is not None:  # else a partial prefill
+                    outputs.append(self._finish_pooling(request, pooled))
+                    finished_requests.add(request)
                 continue
             row = row_of.get(req_id)
             sampled = sampled_token_ids[row] if row is not None else None
@@ -384,12 +399,22 @@ class Scheduler:
         request.num_inflight_steps += 1
         request.num_sent_tokens = num_known = request.num_tokens
         num_known_or_pending = num_known + request.num_output_placeholders
-        if self.async_scheduling and num_computed == num_known_or_pending + num_drafts:
+        pooling = request.pooling_params is not None  # never samples
+        if self.async_scheduling and not pooling and num_computed == num_known_or_pending + num_drafts:
             # This step samples; its tokens are not known yet (planned as if every draft is accepted).
             request.num_output_placeholders += 1 + num_drafts
             num_known_or_pending += 1 + num_drafts
         assert num_computed - num_drafts <= num_known_or_pending
-        assert num_computed < self.max_model_len
+        assert num_computed < self.max_model_len or (pooling and num_computed == self.max_model_len)
+
+    def _finish_pooling(self, request: Request, pooled: torch.Tensor) -> EngineCoreOutput:
+        """A pooling request's prompt is computed: it leaves with its vector, having sampled nothing."""
+        self.num_prompt_tokens += request.num_prompt_tokens
+        request.status = RequestStatus.FINISHED_STOPPED
+        kv_transfer_params = self._free_request(request)
+        return EngineCoreOutput(request.request_id, [], request.get_finished_reason(), None,
+                                num_cached_tokens=max(request.num_cached_tokens, 0),
+                                kv_transfer_params=kv_transfer_params, pooling_output=pooled)
 
     def _cached_request_data(self, requests: list[Request], new_block_ids: dict[str, list[int]]) -> CachedRequestData:
         req_ids = [request.request_id for request in requests]

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import Future
+from contextlib import aclosing
 from typing import Any
 
 from raylm.cluster.engine import engine_commands
@@ -21,11 +22,18 @@ from raylm.cluster.engine.engine_commands import (
     CallEngine,
     EngineCommand,
     RequestStream,
+    StreamItem,
     post_outputs,
 )
 from raylm.cluster.engine.llm_engine import LLMEngine, PromptType
 from raylm.cluster.engine.lora_registry import LoRARegistry
-from raylm.cluster.engine.outputs import DPEngineDiedError, EngineDeadError, EngineNotReadyError, RequestOutput
+from raylm.cluster.engine.outputs import (
+    DPEngineDiedError,
+    EngineDeadError,
+    EngineNotReadyError,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from raylm.cluster.engine.request_state import RequestState, finished_stats
 from raylm.cluster.engine.stats import (
     IterationStats,
@@ -35,6 +43,7 @@ from raylm.cluster.engine.stats import (
 )
 from raylm.cluster.models.default_model import served_model_name
 from raylm.common.lora_request import LoRARequest
+from raylm.common.pooling_params import PoolingParams
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
 from raylm.configs.scheduler_defaults import UsageContext
@@ -98,6 +107,22 @@ class AsyncLLM:
                        lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Yields delta outputs until the request finishes. Bad input raises ValueError; stopping the
         iteration early (a cancelled or disconnected consumer) aborts the request and frees its blocks."""
+        async for output in self._outputs(request_id, prompt, params, priority, lora_request):
+            assert isinstance(output, RequestOutput)
+            yield output
+
+    async def encode(self, request_id: str, prompt: PromptType, pooling_params: PoolingParams, priority: int = 0,
+                     lora_request: LoRARequest | None = None) -> PoolingRequestOutput:
+        """vLLM's AsyncLLM.encode, awaited whole: a pooling request (an embedding) scheduled with the generation
+        requests; its one output once its prompt is computed. Bad input raises ValueError."""
+        async with aclosing(self._outputs(request_id, prompt, pooling_params, priority, lora_request)) as outputs:
+            output = await anext(outputs)  # its only one
+        assert isinstance(output, PoolingRequestOutput)
+        return output
+
+    async def _outputs(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                       priority: int, lora_request: LoRARequest | None,
+                       ) -> AsyncGenerator[RequestOutput | PoolingRequestOutput, None]:
         stream = RequestStream(asyncio.get_running_loop())
         self._submit(AddRequest(request_id, prompt, params, priority, stream, time.monotonic(), lora_request))
         finished = False
@@ -237,15 +262,16 @@ class AsyncLLM:
             return
         self._dispatch(outputs, iterations)
 
-    def _dispatch(self, outputs: list[RequestOutput], iterations: list[IterationStats]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput | PoolingRequestOutput], iterations: list[IterationStats]) -> None:
         now = time.monotonic()
-        deliveries: list[tuple[RequestStream, RequestOutput | Exception]] = []
+        deliveries: list[tuple[RequestStream, StreamItem]] = []
         for output in outputs:
             state = self._requests.get(output.request_id)
             if state is None:
                 continue
             iteration = iterations[state.engine_index]
-            num_new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+            num_new_tokens = (0 if isinstance(output, PoolingRequestOutput) else
+                              sum(len(completion.token_ids) for completion in output.outputs))
             if state.first_token_time is None:
                 state.first_token_time = now
                 iteration.num_prompt_tokens += state.num_prompt_tokens
@@ -257,7 +283,8 @@ class AsyncLLM:
             iteration.num_generation_tokens += num_new_tokens
             if output.finished:
                 del self._requests[output.request_id]
-                reason = output.outputs[-1].finish_reason or "stop"
+                reason = ("stop" if isinstance(output, PoolingRequestOutput) else
+                          output.outputs[-1].finish_reason or "stop")
                 iteration.finished_requests.append(finished_stats(state, reason, now))
             deliveries.append((state.stream, output))
         post_outputs(deliveries)

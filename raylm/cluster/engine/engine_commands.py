@@ -10,25 +10,30 @@ from dataclasses import dataclass, field
 from typing import TypeAlias, TypeVar
 
 from raylm.cluster.engine.llm_engine import LLMEngine, PromptType
-from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.engine.outputs import PoolingRequestOutput, RequestOutput
 from raylm.common.lora_request import LoRARequest
+from raylm.common.pooling_params import PoolingParams
 from raylm.common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# What a request's stream carries: its outputs, or the error that ends it.
+StreamItem: TypeAlias = "RequestOutput | PoolingRequestOutput | Exception"
+
+
 @dataclass
 class RequestStream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
 
 
 @dataclass
 class AddRequest:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     stream: RequestStream
     arrival_time: float
@@ -54,10 +59,10 @@ class CallEngine:
 EngineCommand: TypeAlias = "AddRequest | AbortRequest | CallEngine"
 
 
-def post_outputs(items: list[tuple[RequestStream, RequestOutput | Exception]]) -> None:
+def post_outputs(items: list[tuple[RequestStream, StreamItem]]) -> None:
     """Hands items to their streams' queues on the loops that own them (asyncio queues are not thread-safe),
     waking each loop once."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamItem]]] = {}
     for stream, item in items:
         by_loop.setdefault(stream.loop, []).append((stream.queue, item))
     for loop, batch in by_loop.items():
@@ -67,7 +72,7 @@ def post_outputs(items: list[tuple[RequestStream, RequestOutput | Exception]]) -
             logger.warning("dropped %d outputs: their event loop is closed", len(batch))
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, StreamItem]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
 

@@ -11,17 +11,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from raylm.cluster.core.request import Request
+from raylm.cluster.core.request import POOLING_SAMPLING_PARAMS, Request
 from raylm.cluster.core.structured_output import validate_structured_outputs
 from raylm.cluster.engine.config_resolver import resolve_engine_config
 from raylm.cluster.engine.engine_core import EngineCore
 from raylm.cluster.engine.lora_checker import LoRAChecker
 from raylm.cluster.engine.lora_registry import LoRARegistry
 from raylm.cluster.engine.output_processor import OutputProcessor, RequestOutputKind
-from raylm.cluster.engine.outputs import DPEngineDiedError, EngineSleepingError, RequestOutput
+from raylm.cluster.engine.outputs import DPEngineDiedError, EngineSleepingError, PoolingRequestOutput, RequestOutput
+from raylm.cluster.engine.pooling_checks import check_pooling_params
 from raylm.cluster.models.default_model import served_model_name
 from raylm.common import tracing
 from raylm.common.lora_request import LoRARequest
+from raylm.common.pooling_params import PoolingParams
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig, make_engine_config
 from raylm.configs.gguf_metadata import get_tokenizer
@@ -92,16 +94,19 @@ class LLMEngine:
             return self.process_prompt(prompt["prompt"])
         raise ValueError(f"a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; got {prompt!r}")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    output_kind: RequestOutputKind = "cumulative",
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                    priority: int = 0, output_kind: RequestOutputKind = "cumulative",
                     lora_request: LoRARequest | None = None) -> tuple[list[int], int]:
-        """Queue one prompt (n sequences); returns its prompt token ids and the index of the (data-parallel) engine
-        that serves it (of its first sequence). Bad input raises ValueError."""
+        """Queue one prompt (n sequences; or, with PoolingParams, one pooling request); returns its prompt token ids
+        and the index of the (data-parallel) engine that serves it (of its first sequence). Bad input raises
+        ValueError."""
         if self._sleeping:
             raise EngineSleepingError(f"request {request_id}: the engine is sleeping: call wake_up() first")
         text, token_ids = self.process_prompt(prompt)
         if not token_ids:
             raise ValueError("prompt: it is empty (0 tokens)")
+        if isinstance(params, PoolingParams):
+            return token_ids, self._add_pooling_request(request_id, token_ids, params, priority, lora_request)
         self._check_request(params, priority)
         if lora_request is not None:
             self.lora_checker.check(lora_request)
@@ -118,6 +123,18 @@ class LLMEngine:
                                               output_kind=output_kind)
         return token_ids, engines[0]
 
+    def _add_pooling_request(self, request_id: str, token_ids: list[int], params: PoolingParams, priority: int,
+                             lora_request: LoRARequest | None) -> int:
+        self._check_priority(priority)
+        if lora_request is not None:
+            self.lora_checker.check(lora_request)
+        params = check_pooling_params(params, self.config)
+        engine = self.engine_core.add_request(Request(request_id, token_ids, POOLING_SAMPLING_PARAMS,
+                                                      self.eos_token_ids, priority=priority,
+                                                      lora_request=lora_request, pooling_params=params))
+        self.output_processor.add_pooling_request(request_id, token_ids)
+        return engine
+
     def _check_request(self, params: SamplingParams, priority: int) -> None:
         vocab_size = self.model_info.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
@@ -129,6 +146,9 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
         if params.structured_outputs is not None:  # refused here, with what is unsupported, not in the engine
             validate_structured_outputs(params.structured_outputs, self.config.resolved.structured_outputs_backends)
+        self._check_priority(priority)
+
+    def _check_priority(self, priority: int) -> None:
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError(f"priority {priority} is given but scheduling_policy is "
                              f"{self.config.scheduler_config.scheduling_policy!r}: set scheduling_policy='priority'")
@@ -137,7 +157,7 @@ class LLMEngine:
         to_abort = [child for rid in request_ids for child in self.output_processor.abort_request(rid)]
         self.engine_core.abort_requests(to_abort)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         try:
             core_outputs = self.engine_core.step()
         except DPEngineDiedError as err:  # in user-facing request ids, with their other sequences aborted

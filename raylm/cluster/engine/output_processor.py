@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.engine.detokenizer import IncrementalDetokenizer
-from raylm.cluster.engine.outputs import CompletionOutput, RequestOutput
+from raylm.cluster.engine.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from raylm.common.outputs import LogprobsLists
 from raylm.common.sampling_params import SamplingParams
 
@@ -25,7 +25,7 @@ RequestOutputKind = Literal["cumulative", "delta", "final"]
 
 @dataclass
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     # Requests that hit a stop string: the engine core must abort them to free their blocks.
     reqs_to_abort: list[str] = field(default_factory=list)
 
@@ -73,9 +73,16 @@ class OutputProcessor:
         self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
+        # Pooling requests: nothing to detokenize, one output as they finish (their prompt token ids kept for it).
+        self.pooling_requests: dict[str, list[int]] = {}
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.request_states)
+        return bool(self.request_states or self.pooling_requests)
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        if request_id in self.request_states or request_id in self.pooling_requests:
+            raise ValueError(f"Request {request_id} already exists")
+        self.pooling_requests[request_id] = list(prompt_token_ids)
 
     def add_request(
         self,
@@ -118,6 +125,8 @@ class OutputProcessor:
 
     def abort_request(self, request_id: str) -> list[str]:
         """Drops a request's state; returns the engine-core request ids to abort (all children of a parent)."""
+        if self.pooling_requests.pop(request_id, None) is not None:
+            return [request_id]
         parent = self.parent_requests.pop(request_id, None)
         if parent is not None:
             child_ids = parent.unfinished_children()
@@ -136,6 +145,9 @@ class OutputProcessor:
         changed: dict[str, tuple[ParentRequest, list[CompletionOutput]]] = {}
         request_states = self.request_states
         for engine_core_output in engine_core_outputs:
+            if engine_core_output.request_id in self.pooling_requests:
+                processed.request_outputs.append(self._pooling_output(engine_core_output))
+                continue
             state = request_states.get(engine_core_output.request_id)
             if state is None:
                 continue  # aborted while the step ran
@@ -233,6 +245,15 @@ class OutputProcessor:
             logprobs=logprobs,
             error=error,
         )
+
+    def _pooling_output(self, engine_core_output: EngineCoreOutput) -> PoolingRequestOutput:
+        """A pooling request's one output: it finishes with its vector (the engine core sends nothing before)."""
+        request_id, pooled = engine_core_output.request_id, engine_core_output.pooling_output
+        if pooled is None:
+            raise RuntimeError(f"pooling request {request_id} finished ({engine_core_output.finish_reason}, "
+                               f"{engine_core_output.stop_reason}) without its pooled output")
+        return PoolingRequestOutput(request_id, PoolingOutput(pooled), self.pooling_requests.pop(request_id),
+                                    num_cached_tokens=engine_core_output.num_cached_tokens)
 
     def _finish_child(self, state: RequestState) -> None:
         parent = state.parent

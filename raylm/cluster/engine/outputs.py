@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 class EngineSleepingError(ValueError):
     """A request reached an engine put to sleep (LLM.sleep): a ValueError, so a server fails that request only."""
@@ -56,3 +58,43 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # What the engine's KV connector says of the finished request (a prefill's: where its KV is to be taken from).
     kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor  # the pooled vector (CPU, float32)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's answer (vLLM's): one vector for its prompt, given once it is finished."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's): `.outputs.embedding` is the vector as floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)

@@ -5,15 +5,16 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
 from raylm.cluster.engine.llm_engine import LLMEngine, PromptType
-from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from raylm.cluster.engine.stats import LoggingStatLogger
 from raylm.cluster.entrypoints.openai.forced_tool_calls import forced_tool_constraint
 from raylm.common.lora_request import LoRARequest
+from raylm.common.pooling_params import PoolingParams
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import EngineConfig
 
@@ -56,12 +57,33 @@ class LLM:
         whole."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params_list = _per_prompt(sampling_params, len(prompts))
+        params_list = _per_prompt(sampling_params, len(prompts), SamplingParams)
         loras = self._lora_per_prompt(lora_request, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
 
+        outputs = self._run_requests(prompts, params_list, priorities, loras, use_tqdm)
+        return [output for output in outputs if isinstance(output, RequestOutput)]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: one vector per prompt (`.outputs.embedding`), the model's hidden states pooled as its
+        pooler config says (the checkpoint's sentence-transformers modules, or the pooler_config setting), through
+        the same scheduler as generate (the two may share an engine's steps)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = _per_prompt(pooling_params, len(prompts), PoolingParams)
+        loras = self._lora_per_prompt(lora_request, len(prompts))
+        outputs = self._run_requests(prompts, params_list, [0] * len(prompts), loras, use_tqdm)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs
+                if isinstance(output, PoolingRequestOutput)]
+
+    def _run_requests(self, prompts: Sequence[PromptType], params_list: Sequence[SamplingParams | PoolingParams],
+                      priorities: list[int], loras: list[LoRARequest | None], use_tqdm: bool,
+                      ) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         request_ids = [str(next(self._counter)) for _ in prompts]
         try:
@@ -116,15 +138,15 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         constraint = forced_tool_constraint(tools or [], tool_choice)
         if constraint is not None:
-            params_list = _per_prompt(sampling_params, len(prompts))
+            params_list = _per_prompt(sampling_params, len(prompts), SamplingParams)
             if any(params.structured_outputs is not None for params in params_list):
                 raise ValueError("tool_choice: a forced tool call constrains the output itself; the sampling params "
                                  "must not carry structured_outputs too")
             sampling_params = [dataclasses.replace(params, structured_outputs=constraint) for params in params_list]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput | PoolingRequestOutput]:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         with tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             num_output_tokens = 0
             while self.llm_engine.has_unfinished_requests():
@@ -132,7 +154,10 @@ class LLM:
                     for engine_index, stats in enumerate(self.llm_engine.engine_core.engine_stats()):
                         self.stat_logger.record(engine_index, stats)
                 for output in self.llm_engine.step():
-                    if output.finished:
+                    if isinstance(output, PoolingRequestOutput):
+                        finished[output.request_id] = output
+                        bar.update(1)
+                    elif output.finished:
                         finished[output.request_id] = output
                         for completion in output.outputs:  # returned with the others: the error is said here
                             if completion.error is not None:
@@ -167,12 +192,16 @@ class LLM:
         self.llm_engine.shutdown()
 
 
-def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * n
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    params = list(sampling_params)
-    if len(params) != n:
-        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts: give one, or one per prompt")
-    return params
+P = TypeVar("P", SamplingParams, PoolingParams)
+
+
+def _per_prompt(params: P | Sequence[P] | None, n: int, kind: type[P]) -> list[P]:
+    if params is None:
+        return [kind()] * n
+    if not isinstance(params, Sequence):
+        return [params] * n
+    given = list(params)
+    if len(given) != n:
+        name = "sampling_params" if kind is SamplingParams else "pooling_params"
+        raise ValueError(f"{name} has {len(given)} entries for {n} prompts: give one, or one per prompt")
+    return given

@@ -24,7 +24,8 @@ from raylm.cluster.entrypoints.openai.lora_router import LoRAModelRouter
 from raylm.cluster.entrypoints.openai.metrics import PrometheusStatLogger
 from raylm.cluster.entrypoints.openai.openapi import install_openapi
 from raylm.cluster.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from raylm.cluster.entrypoints.openai.router import EngineModelRouter, ModelRouter, ServingResult
+from raylm.cluster.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from raylm.cluster.entrypoints.openai.router import EmbeddingRouter, EngineModelRouter, ModelRouter, ServingResult
 from raylm.cluster.models.default_model import served_model_name
 from raylm.configs import EngineConfig
 
@@ -72,6 +73,12 @@ def build_app(router: ModelRouter, api_key: str | None = None, metrics: Promethe
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await _respond(router.chat(request), raw_request)
+
+    @v1.post("/embeddings")
+    async def embeddings(request: EmbeddingRequest, raw_request: Request) -> Response:
+        if not isinstance(router, EmbeddingRouter):
+            raise OpenAIError("/v1/embeddings is not served by this app's models", HTTPStatus.NOT_FOUND)
+        return await _respond(router.embeddings(request), raw_request)
 
     app.include_router(v1)
     install_openapi(app, api_key=bool(api_key))

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from http import HTTPStatus
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from pydantic import BaseModel
 
 from raylm.cluster.engine.async_llm import AsyncLLM
 from raylm.cluster.entrypoints.openai.errors import OpenAIError
 from raylm.cluster.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard
+from raylm.cluster.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
 from raylm.cluster.entrypoints.openai.serving_chat import OpenAIServingChat
 from raylm.cluster.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from raylm.cluster.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
 # A whole response, or the SSE events of a stream.
 ServingResult: TypeAlias = "BaseModel | AsyncGenerator[str, None]"
@@ -26,6 +28,13 @@ class ModelRouter(Protocol):
     async def chat(self, request: ChatCompletionRequest) -> ServingResult: ...
 
     async def check_health(self) -> None: ...
+
+
+@runtime_checkable
+class EmbeddingRouter(Protocol):
+    """A router that also answers /v1/embeddings (one whose models can pool); the others answer it 404."""
+
+    async def embeddings(self, request: EmbeddingRequest) -> EmbeddingResponse: ...
 
 
 def route_model(requested: str | None, model_ids: list[str]) -> str:
@@ -47,6 +56,7 @@ class EngineModelRouter:
         self.engine = engine
         self.serving_completion = OpenAIServingCompletion(engine)
         self.serving_chat = OpenAIServingChat(engine)
+        self.serving_embedding = OpenAIServingEmbedding(engine)
 
     async def model_card(self) -> ModelCard:
         await self.engine.wait_until_ready()
@@ -64,6 +74,10 @@ class EngineModelRouter:
     async def chat(self, request: ChatCompletionRequest) -> ServingResult:
         route_model(request.model, [self.engine.model_name])
         return await self.serving_chat.create_chat_completion(request)
+
+    async def embeddings(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        route_model(request.model, [self.engine.model_name])
+        return await self.serving_embedding.create_embedding(request)
 
     async def check_health(self) -> None:
         await self.engine.check_health()
