@@ -32,6 +32,14 @@ def deepseek(name: str, arguments: dict) -> str:
 
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 
+
+def harmony(name: str, arguments: dict) -> str:
+    return f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>" + \
+        json.dumps(arguments) + "<|call|>"
+
+
+THINK = "<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>"
+
 # parser -> [(case, model output, content of the whole parse, calls)]
 CASES: dict[str, list[tuple[str, str, str | None, list[tuple[str, dict]]]]] = {
     "hermes": [
@@ -83,6 +91,17 @@ CASES: dict[str, list[tuple[str, str, str | None, list[tuple[str, dict]]]]] = {
         ("plain", "It is sunny.", "It is sunny.", []),
         ("malformed", DS_BEGIN + "oops" + DS_END, DS_BEGIN + "oops" + DS_END, []),
     ],
+    "openai": [
+        ("one", THINK + harmony(*WEATHER), None, [WEATHER]),
+        ("recipient in the role", THINK + "<|start|>assistant to=functions.get_time<|channel|>commentary json"
+         "<|message|>" + json.dumps(TIME[1]) + "<|call|>", None, [TIME]),
+        ("parallel", THINK + harmony(*WEATHER) + harmony(*TRICKY), None, [WEATHER, TRICKY]),
+        ("preamble before", "<|channel|>commentary<|message|>Let me check.<|end|>" + harmony(*TIME),
+         "Let me check.", [TIME]),
+        ("final answer", THINK + "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>",
+         "It is sunny.", []),
+        ("plain", "It is sunny.", "It is sunny.", []),
+    ],
 }
 PARAMS = [pytest.param(parser, *case[1:], id=f"{parser}-{case[0]}") for parser, cases in CASES.items()
           for case in cases]
@@ -110,7 +129,7 @@ def test_whole_and_streamed_give_the_same_calls(parser_name: str, text: str, con
     for size in (1, 3, len(text)):
         streamed_content, deltas = stream(parser_name, text, size)
         if not calls:
-            assert streamed_content == text and deltas == []
+            assert streamed_content == whole.content and deltas == []
             continue
         assert streamed_content.strip() == (content or "")
         firsts = {}

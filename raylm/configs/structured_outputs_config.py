@@ -19,7 +19,7 @@ class StructuredOutputsConfig(BaseModel):
         None, description="split <think>...</think> into reasoning_content; a grammar applies only after it ends")
     enable_auto_tool_choice: bool = Field(
         False, description="tool_choice 'auto': parse the model's own tool calls (needs tool_call_parser)")
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "openai"] | None = Field(
         None, description="format of the model's tool calls for tool_choice 'auto': hermes (Qwen2.5, Qwen3, Hermes), "
                           "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), pythonic (Llama 3.2 / 4 Python "
-                          "lists), deepseek_v3 (DeepSeek V3 / R1)")
+                          "lists), deepseek_v3 (DeepSeek V3 / R1), openai (GPT-OSS harmony)")

@@ -4,6 +4,7 @@ from raylm.cluster.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3
 from raylm.cluster.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from raylm.cluster.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from raylm.cluster.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from raylm.cluster.entrypoints.openai.tool_parsers.openai import OpenAIToolParser
 from raylm.cluster.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
@@ -12,6 +13,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
+    "openai": OpenAIToolParser,
 }
 
 
