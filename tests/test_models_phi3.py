@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
@@ -21,6 +19,7 @@ from raylm.runner import cpu_kernels
 from raylm.runner.layers.rotary_embedding import get_rope
 from raylm.runner.models.utils import get_rope_config
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
+from tests.rope_checkpoints import widen_weights, with_config
 
 MAX_TOKENS = 8
 MAX_POSITION = 128
@@ -35,25 +34,6 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 def prompts_of(kind: str) -> list[list[int]]:
     rng = random.Random(7)
     return [[rng.randrange(5, 500) for _ in range(n)] for n in KINDS[kind][1]]
-
-
-def widen_weights(path: Path, seed: int = 0) -> None:
-    """Re-draw the weights wider than the default init (norms around 1), so that attention is sharp enough for the
-    rotary frequencies to show in the greedy tokens."""
-    torch.manual_seed(seed)
-    weights = {name: torch.empty_like(w).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(w) * 0.1
-               for name, w in load_file(path / "model.safetensors").items()}
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-
-
-def with_config(source: Path, out: Path, **changes: Any) -> Path:
-    """A copy of checkpoint `source` whose config.json (and its rope_parameters) takes `changes`."""
-    shutil.copytree(source, out)
-    config = json.loads((out / "config.json").read_text())
-    config.update({k: v for k, v in changes.items() if k != "rope_parameters"})
-    config["rope_parameters"].update(changes.get("rope_parameters", {}))
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
 from tests.reference import TOP_K, check_logprobs_close, hf_greedy
-from tests.test_models_phi3 import widen_weights, with_config
+from tests.rope_checkpoints import widen_weights, with_config
 
 MAX_TOKENS = 8
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0}
