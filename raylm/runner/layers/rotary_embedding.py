@@ -42,9 +42,9 @@ def _longrope(base: float, rotary_dim: int, max_position: int, scaling: dict[str
     scaled by the attention factor. transformers picks the set per forward from the sequence length (the long one
     past original_max_position_embeddings) and, when a generation crosses that length, drops its KV cache and
     recomputes every key with the long set. A paged KV cache cannot re-rotate the keys it holds, so raylm picks one
-    set for the model's whole context, as vLLM does: long where the context (max_position) exceeds the original
-    one. That equals transformers on every sequence when the context is the original one, and on sequences past the
-    original length otherwise."""
+    set for the model's whole context, as vLLM does (from max_model_len; here from the checkpoint's context): long
+    where max_position exceeds the original context. That equals transformers on every sequence when the context is
+    the original one, and on sequences past the original length otherwise."""
     original = _original_max(scaling)
     factor = scaling.get("factor") or max_position / original
     attention_factor = scaling.get("attention_factor")
