@@ -19,6 +19,7 @@ _GENERATION_ERRORS = (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND, _FAILED, _DO
 _ROUTE_ERRORS: dict[tuple[str, str], tuple[HTTPStatus, ...]] = {
     ("/v1/completions", "post"): _GENERATION_ERRORS,
     ("/v1/chat/completions", "post"): _GENERATION_ERRORS,
+    ("/v1/embeddings", "post"): _GENERATION_ERRORS,
     ("/v1/models", "get"): (_FAILED, _DOWN),
     ("/v1/models/{model_id}", "get"): (HTTPStatus.NOT_FOUND, _FAILED, _DOWN),
     ("/health", "get"): (_DOWN,),
@@ -51,6 +52,8 @@ SEMANTIC_400_REASONS: tuple[tuple[str, str], ...] = (
                                                                          r"backend): "),
     ("the chat template rejects the messages", r"the chat template failed"),
     ("priority is given without scheduling_policy 'priority'", r"scheduling_policy"),
+    ("embeddings: dimensions is given for a model without Matryoshka representation, or is not one of its "
+     "matryoshka_dimensions", r"^dimensions: "),
 )
 
 
