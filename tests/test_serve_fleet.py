@@ -156,10 +156,17 @@ def _replicas_answering(base_url: str, model: str, expected: str, tries: int = 1
     return replicas
 
 
+def _replicas_listing(adapter: str) -> list[bool]:
+    """Whether each replica of the Llama deployment lists the adapter among its models."""
+    handle = serve.get_deployment_handle("LLMServer:llama", "fleet")
+    return [any(card.id == adapter for card in cards) for cards in handle.broadcast("model_cards").results()]
+
+
 def test_runtime_adapter_reaches_every_replica(base_url: str, adapters: dict[str, Path],
                                                offline: dict[str, str]) -> None:
     status, body, _ = post(base_url, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(adapters["chat"])})
     assert status == 200, body
+    assert _replicas_listing("chat") == [True, True]  # at once, not at a replica's next sync with the table
     time.sleep(2.0)  # each replica reports its adapters to Serve's controller, which tells the ingress's router
     # Serve's router picks between the replicas holding an adapter at random: both answer within 16 requests.
     first = _replicas_answering(base_url, "chat", offline["chat"])
@@ -181,6 +188,7 @@ def test_runtime_adapter_reaches_every_replica(base_url: str, adapters: dict[str
 
     status, body, _ = post(base_url, "/v1/unload_lora_adapter", {"lora_name": "chat"})
     assert status == 200, body
+    assert _replicas_listing("chat") == [False, False]
     for _ in range(6):  # whichever replica Serve still counts it on
         status, body, _ = post(base_url, "/v1/completions", {"model": "chat", "prompt": PROMPT, "max_tokens": 2})
         assert status == 404, body
