@@ -1,7 +1,7 @@
 """raylm: an LLM serving engine for Ray clusters.
 
-`from raylm import LLM, SamplingParams, AsyncLLM`. The names load on first use, so that a worker process, which
-imports only the lower floors (`raylm.runner`, `raylm.worker`), never pulls in the serving stack.
+`from raylm import LLM, SamplingParams, PoolingParams, AsyncLLM`. The names load on first use, so that a worker
+process, which imports only the lower floors (`raylm.runner`, `raylm.worker`), never pulls in the serving stack.
 """
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from raylm.cluster.engine.async_llm import AsyncLLM
-    from raylm.cluster.engine.outputs import CompletionOutput, RequestOutput
+    from raylm.cluster.engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
     from raylm.cluster.entrypoints.llm import LLM
+    from raylm.common.pooling_params import PoolingParams
     from raylm.common.sampling_params import SamplingParams
 
 _EXPORTS = {
@@ -20,8 +21,11 @@ _EXPORTS = {
     "SamplingParams": "raylm.common.sampling_params",
     "RequestOutput": "raylm.cluster.engine.outputs",
     "CompletionOutput": "raylm.cluster.engine.outputs",
+    "PoolingParams": "raylm.common.pooling_params",
+    "EmbeddingRequestOutput": "raylm.cluster.engine.outputs",
 }
-__all__ = ["AsyncLLM", "CompletionOutput", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncLLM", "CompletionOutput", "EmbeddingRequestOutput", "LLM", "PoolingParams", "RequestOutput",
+           "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
