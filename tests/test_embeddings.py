@@ -171,6 +171,34 @@ def test_embeddings_share_steps_with_generation(qwen3: Path, tmp_path: Path, asy
         assert_close(output.outputs.data, expected)
 
 
+def test_a_preempted_pooling_request_starts_again(qwen3: Path) -> None:
+    """A KV pool of 8 blocks: the decodes preempt the MEAN request part-way through its prompt, again and again; its
+    running sum starts again with it, and the vector is transformers'."""
+    settings = {**SETTINGS, "num_gpu_blocks_override": 8, "enable_prefix_caching": False}
+    llm = LLM(str(qwen3), **settings)
+    embed_prompt = list(range(100, 170))
+    try:
+        engine = llm.llm_engine
+        greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        for i, ids in enumerate([list(range(10, 40)), list(range(50, 80))]):
+            engine.add_request(f"gen-{i}", {"prompt_token_ids": ids}, greedy, output_kind="final")
+        engine.add_request("embed", {"prompt_token_ids": embed_prompt}, PoolingParams(pooling_type="MEAN",
+                                                                                     normalize=False))
+        scheduler = engine.engine_core.scheduler  # type: ignore[union-attr]
+        preempted = 0
+        pooled = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if isinstance(output, PoolingRequestOutput):
+                    pooled = output.outputs.data
+            if "embed" in scheduler.requests:
+                preempted = scheduler.requests["embed"].num_preemptions
+    finally:
+        llm.shutdown()
+    assert preempted >= 1 and pooled is not None
+    assert_close(pooled, reference(qwen3, [embed_prompt], "MEAN", False)[0])
+
+
 # ---- /v1/embeddings ------------------------------------------------------------------------------
 
 
