@@ -22,6 +22,8 @@ class HermesToolParser(IncrementalToolParser):
             end = text.find(END, start)
             block_end = len(text) if end < 0 else end + len(END)
             body = text[start + len(START): len(text) if end < 0 else end]
+            if end < 0 and not final:
+                body = body[: len(body) - partial_suffix(body, END)]  # broken arguments must not take the marker
             first = skip_whitespace(body, 0)
             call = scan_call_object(body, first) if first < len(body) else None
             if call is not None and call.name is not None:
