@@ -201,7 +201,7 @@ def test_a_ray_worker_on_another_node_copies_it_there(s3: S3, llama_path: Path, 
         llm = LLM(model=uri, distributed_executor_backend="ray", speculative_config={
             "method": "draft_model", "model": draft_uri, "num_speculative_tokens": 2}, **ENGINE)
         check_logprobs_close(hf_greedy(llama_path, PROMPTS, MAX_TOKENS), generate(llm), "base from s3 on Ray")
-        del llm
+        llm.shutdown()  # its workers, before their Ray goes
     finally:
         ray.shutdown()
     # One download per node: the engine's, then the worker's.
@@ -282,17 +282,21 @@ def test_a_download_killed_half_way_is_continued(s3: S3, llama_path: Path, cache
     assert files_of(copy) == files_of(llama_path) and not any((root / "partial").rglob("*.safetensors"))
 
 
-def test_an_object_changed_in_the_bucket_is_fetched_again(s3: S3, llama_path: Path, tmp_path: Path) -> None:
+def test_objects_changed_or_deleted_in_the_bucket_change_the_copy(s3: S3, llama_path: Path, tmp_path: Path) -> None:
     folder = tmp_path / "changing"
     folder.mkdir()
     (folder / "a.txt").write_text("first")
     (folder / "b.txt").write_text("kept")
+    (folder / "c.txt").write_text("deleted from the bucket")
     uri = s3.upload(folder, "changing")
     copy = local_copy(uri, "model")
-    fsspec.filesystem("s3", skip_instance_cache=True).pipe_file(f"{BUCKET}/changing/a.txt", b"second, longer")
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.pipe_file(f"{BUCKET}/changing/a.txt", b"second, longer")
+    fs.rm_file(f"{BUCKET}/changing/c.txt")
     before = len(s3.gets("changing/b.txt"))
-    assert local_copy(uri, "model") == copy and (copy / "a.txt").read_text() == "second, longer"
+    assert local_copy(uri, "model") == copy and files_of(copy) == {"a.txt": b"second, longer", "b.txt": b"kept"}
     assert len(s3.gets("changing/b.txt")) == before  # the unchanged object stays as copied
+    assert set(json.loads((copy_root(uri) / "manifest.json").read_text())["files"]) == {"a.txt", "b.txt"}
 
 
 def test_a_gguf_object_is_copied_as_a_file(s3: S3, llama_path: Path, tmp_path: Path) -> None:

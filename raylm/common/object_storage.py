@@ -48,6 +48,7 @@ def local_copy(uri: str, field: str) -> Path:
         fs = _filesystem(uri, field)
         objects = _list(fs, uri, field)
         manifest = _read_manifest(root, uri)
+        _drop_unlisted(root / name, objects, manifest)
         missing = {rel: info for rel, info in objects.items() if not _done(root / name, rel, info, manifest)}
         if missing:
             print(f"raylm: {field}: copying {len(missing)} of {len(objects)} object(s) of {uri} "
@@ -59,6 +60,12 @@ def local_copy(uri: str, field: str) -> Path:
             except OSError as err:
                 raise _refusal(err, uri, field) from err
     return root / name
+
+
+def checkpoint_here(path: str, source: str, field: str) -> str:
+    """Where a worker loads a resolved checkpoint from: this node's copy of `source`, the object-storage URI it was
+    copied from on the engine's node (found done there, fetched once on another node), else `path` itself."""
+    return str(local_copy(source, field)) if source else path
 
 
 def check_source(uri: str, field: str) -> None:
@@ -120,11 +127,15 @@ def _list(fs: Any, uri: str, field: str) -> dict[str, dict[str, Any]]:
         found = {}
     except Exception as err:  # OSError, and the clients' own: missing credentials, a malformed endpoint
         raise _refusal(err, uri, field) from err
-    objects = {key[len(path) + 1:]: {"size": int(entry["size"]), "etag": str(entry.get("ETag", "")).strip('"')}
+    objects = {key[len(path) + 1:]: {"size": int(entry["size"]), "etag": _etag(entry)}
                for key, entry in found.items() if entry["type"] == "file" and not key.endswith("/")}
     if not objects:
         raise ValueError(f"{field}: {uri} holds no objects (no such object, prefix or bucket); {_HINT}")
     return objects
+
+
+def _etag(entry: dict[str, Any]) -> str:
+    return str(entry.get("ETag") or entry.get("etag") or "").strip('"')  # s3fs's spelling, then gcsfs's
 
 
 def _refusal(err: BaseException, uri: str, field: str) -> ValueError:
@@ -162,6 +173,16 @@ def _write_manifest(root: Path, manifest: dict[str, Any]) -> None:
     tmp = root / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(tmp, root / "manifest.json")
+
+
+def _drop_unlisted(copy: Path, objects: dict[str, dict[str, Any]], manifest: dict[str, Any]) -> None:
+    """Delete the copied files the bucket no longer holds: a re-sharded checkpoint's old shards must not load."""
+    unlisted = [rel for rel in manifest["files"] if rel not in objects]
+    for rel in unlisted:
+        (copy / rel if rel else copy).unlink(missing_ok=True)
+        del manifest["files"][rel]
+    if unlisted:
+        _write_manifest(copy.parent, manifest)
 
 
 def _done(copy: Path, rel: str, info: dict[str, Any], manifest: dict[str, Any]) -> bool:
@@ -203,9 +224,3 @@ def _fetch(fs: Any, source: str, rel: str, info: dict[str, Any], root: Path, nam
     os.replace(part, target)
     manifest["files"][rel]["done"] = True
     _write_manifest(root, manifest)
-
-
-def checkpoint_here(path: str, source: str, field: str) -> str:
-    """Where a worker loads a resolved checkpoint from: this node's copy of `source`, the object-storage URI it was
-    copied from on the engine's node (found done there, fetched once on another node), else `path` itself."""
-    return str(local_copy(source, field)) if source else path
