@@ -2,6 +2,7 @@
 hidden states pooled as the checkpoint's sentence-transformers config says (or the pooler_config setting)."""
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import shutil
@@ -20,6 +21,8 @@ from raylm.cluster.engine.outputs import PoolingRequestOutput, RequestOutput
 from raylm.cluster.entrypoints.llm import LLM
 from raylm.common.pooling_params import PoolingParams
 from raylm.common.sampling_params import SamplingParams
+from raylm.configs import make_engine_config
+from raylm.configs.loader import add_engine_args, engine_args_from
 from raylm.configs.pooler_config import PoolerConfig, resolve_pooler_config
 from tests.http_server import MAX_MODEL_LEN, Server, served_engine
 
@@ -98,6 +101,16 @@ def test_pooler_config_from_sentence_transformers_files(qwen3: Path, tmp_path: P
     assert (override.pooling_type, override.normalize) == (expected[0], not normalize)
     plain = resolve_pooler_config(None, str(qwen3))  # no modules.json: a decoder embedding model's defaults
     assert (plain.pooling_type, plain.normalize) == ("LAST", True)
+
+
+def test_pooler_config_on_the_command_line() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--pooler-config", '{"pooling_type": "MEAN", "normalize": false}'])
+    config = make_engine_config(**engine_args_from(args))
+    assert config.pooler_config == PoolerConfig(pooling_type="MEAN", normalize=False)
+    with pytest.raises(ValueError, match="pooler_config.pooling_type"):
+        make_engine_config(pooler_config={"pooling_type": "MAX"})
 
 
 def test_embed_equals_transformers_pooled_hidden_states(qwen3: Path, tmp_path: Path) -> None:
