@@ -156,6 +156,8 @@ def test_llm_and_an_adapter_from_s3_match_transformers(s3: S3, llama_path: Path,
     info = llm.llm_engine.config.model_info
     copy = Path(info.path)
     assert info.source == uri and copy.is_relative_to(cache) and files_of(copy) == files_of(llama_path)
+    # The KV identity names the URI, not this node's cache path: engines on nodes with other caches share KV.
+    assert llm.llm_engine.config.resolved.kv_identity.model == uri
     check_logprobs_close(hf_greedy(llama_path, PROMPTS, MAX_TOKENS), generate(llm), "base from s3")
     check_logprobs_close(peft_greedy(llama_path, adapter, PROMPTS, MAX_TOKENS),
                          generate(llm, LoRARequest("sql", 1, adapter_uri)), "adapter from s3")

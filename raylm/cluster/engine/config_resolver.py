@@ -37,13 +37,12 @@ def resolve_engine_config(config: EngineConfig, usage_context: UsageContext = "e
     config = dataclasses.replace(config, model_config=resolve_model(config.model_config))
     model = config.model_config.model
     assert model is not None
-    model_info = dataclasses.replace(read_model_info(model), source=source)
+    model_info = _with_source(read_model_info(model), source)
     spec = config.speculative_config
     draft = None
     if spec is not None and spec.method == "draft_model" and spec.model is not None:
         if is_object_uri(spec.model):
-            copy = str(local_copy(spec.model, "speculative_config.model"))
-            draft = dataclasses.replace(read_model_info(copy), source=spec.model)
+            draft = _with_source(read_model_info(str(local_copy(spec.model, "speculative_config.model"))), spec.model)
         else:
             draft = read_model_info(spec.model)
     _check_lora_sources(config.lora_config)
@@ -51,6 +50,14 @@ def resolve_engine_config(config: EngineConfig, usage_context: UsageContext = "e
     resolved = resolve_config(config, model_info, env, draft, usage_context)
     _log_engine_config(resolved, env)
     return resolved
+
+
+def _with_source(info: ModelInfo, source: str) -> ModelInfo:
+    """A copy's facts, naming the URI it came from: the workers copy it to their nodes, and the KV identity names the
+    URI rather than this node's cache path, so engines on nodes with other caches still share KV."""
+    if not source:
+        return info
+    return dataclasses.replace(info, source=source, checkpoint=(source, info.checkpoint[1]))
 
 
 def _check_lora_sources(lora: LoRAConfig) -> None:
