@@ -220,8 +220,8 @@ class ModelRunner:
                                                sampling_rows)
         if pooled:  # rows that finished a pooling request's prompt sample nothing (never with drafts: refused)
             assert inputs.spec_decode_metadata is None
-            sampling_rows, logits_indices = sampling_rows[samples], logits_indices[torch.from_numpy(samples).to(
-                logits_indices.device)]
+            sampling_rows = sampling_rows[samples]
+            logits_indices = logits_indices[torch.from_numpy(samples).to(logits_indices.device)]
         # Padding rows (if any) come after the real tokens: logits_indices never reach them.
         with tracing.span("compute_logits"):
             logits = self.model.compute_logits(output[logits_indices]).float()
