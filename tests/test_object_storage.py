@@ -9,124 +9,44 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import pytest
-from moto.server import ThreadedMotoServer
 from transformers import AutoTokenizer
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.default_model import resolve_model
 from raylm.common.lora_request import LoRARequest
 from raylm.common.object_storage import local_copy
-from raylm.configs.cache import cache_path, content_key
+from raylm.configs.cache import content_key
 from raylm.configs.engine_config import ModelConfig
 from raylm.configs.envs import cache_dir
 from tests.gguf_files import write_gguf
 from tests.http_server import served_engine
 from tests.lora_utils import make_adapter, peft_greedy
 from tests.reference import TOP_K, check_logprobs_close, hf_greedy
+from tests.s3_server import BUCKET, S3, cache_fixture, copy_root, s3_fixture  # noqa: F401  (the fixtures)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BUCKET = f"raylm-test-{uuid.uuid4().hex[:8]}"  # a run's own URIs: their copies never meet another run's
 ENGINE = dict(max_model_len=128, block_size=4, disable_log_stats=True)
 PROMPTS = [[5, 17, 300, 42], [9, 8, 7]]
 MAX_TOKENS = 8
 
 
-class RecordingMotoServer(ThreadedMotoServer):
-    """moto's threaded S3 server, its WSGI app wrapped to record each request's method, path and Range header."""
-
-    def __init__(self) -> None:
-        super().__init__(ip_address="127.0.0.1", port=0, verbose=False)
-        self.requests: list[tuple[str, str, str | None]] = []
-
-    def _server_entry(self) -> None:
-        from moto.moto_server.threaded_moto_server import MotoRequestHandler
-        from moto.server import DomainDispatcherApplication, create_backend_app
-        from werkzeug.serving import make_server
-
-        app = DomainDispatcherApplication(create_backend_app)
-
-        def recording(environ: dict[str, Any], start_response: Any) -> Any:
-            self.requests.append((environ["REQUEST_METHOD"], environ["PATH_INFO"], environ.get("HTTP_RANGE")))
-            return app(environ, start_response)
-
-        self._server = make_server(self._ip_address, self._port, recording, True, request_handler=MotoRequestHandler)
-        self._server_ready_event.set()
-        self._server.serve_forever()
-
-
-@dataclass
-class S3:
-    server: RecordingMotoServer
-    uploaded: set[str] = field(default_factory=set)
-
-    def upload(self, local: Path, key: str) -> str:
-        """Put a folder (or one file) at s3://BUCKET/key, once; its URI."""
-        if key not in self.uploaded:
-            fs = fsspec.filesystem("s3", skip_instance_cache=True)
-            if local.is_dir():
-                for path in sorted(p for p in local.rglob("*") if p.is_file()):
-                    fs.pipe_file(f"{BUCKET}/{key}/{path.relative_to(local)}", path.read_bytes())
-            else:
-                fs.pipe_file(f"{BUCKET}/{key}", local.read_bytes())
-            self.uploaded.add(key)
-        return f"s3://{BUCKET}/{key}"
-
-    def gets(self, key_part: str) -> list[str | None]:
-        """The Range headers of the object GETs (not listings) whose path contains `key_part`."""
-        return [rng for method, path, rng in self.server.requests
-                if method == "GET" and key_part in path and path.count("/") > 1]
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3]:
-    server = RecordingMotoServer()
-    server.start()
-    host, port = server.get_host_and_port()
-    with pytest.MonkeyPatch.context() as env:
-        # The usual environment, as s3fs (botocore) reads it, and nothing from this machine's own AWS set-up.
-        for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                            "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_DEFAULT_REGION": "us-east-1",
-                            "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-                            "AWS_EC2_METADATA_DISABLED": "true"}.items():
-            env.setenv(name, value)
-        fsspec.filesystem("s3", skip_instance_cache=True).mkdir(BUCKET)
-        yield S3(server)
-    server.stop()
-
-
-def copy_root(uri: str) -> Path:
-    return cache_path("object-storage", content_key(uri))
-
-
-@pytest.fixture(autouse=True)
-def cache(s3: S3) -> Iterator[Path]:
-    """The user cache (its CPU kernels built already), holding no copy of this run's URIs when each test starts."""
-    yield cache_dir()
-    for key in s3.uploaded:
-        shutil.rmtree(copy_root(f"s3://{BUCKET}/{key}"), ignore_errors=True)
-
-
 def node_cache(tmp_path: Path) -> Path:
     """A cache for a second node: the built kernels and plans linked in, no object-storage copies."""
-    cache = tmp_path / "other-node-cache"
-    cache.mkdir()
+    other = tmp_path / "other-node-cache"
+    other.mkdir()
     for entry in cache_dir().iterdir():
         if entry.name != "object-storage":
-            (cache / entry.name).symlink_to(entry)
-    return cache
+            (other / entry.name).symlink_to(entry)
+    return other
 
 
 Result = list[tuple[list[int], list[dict[int, float]]]]
