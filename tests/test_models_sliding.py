@@ -163,7 +163,10 @@ def test_backend_choice_follows_the_model() -> None:
     assert explain_attention_backend("auto", "cpu", "float32", 16, True, env, both) == \
         "torch (the cpu kernel has no logit soft-capping or sliding window)"
     assert explain_attention_backend("auto", "cpu", "float32", 16, True, env) == "cpu"
-    assert choose_attention_backend("auto", "cuda", "bfloat16", 256, True, env, window) == "torch"
+    # On CUDA flash_attn has no window, the triton kernel has both.
+    assert choose_attention_backend("auto", "cuda", "bfloat16", 256, True, env) == "flash_attn"
+    assert explain_attention_backend("auto", "cuda", "bfloat16", 256, True, env, both) == \
+        "triton (the flash_attn kernel has no logit soft-capping or sliding window)"
     with pytest.raises(ValueError, match="attention_backend 'cpu' is not available: the cpu kernel has no sliding "
                                          "window, which this model's attention uses; use 'torch' or 'auto'"):
         choose_attention_backend("cpu", "cpu", "float32", 16, True, env, window)

@@ -37,7 +37,8 @@ ATTENTION_BACKENDS = {
     "torch": AttentionBackendSpec("torch", ("cpu", "cuda"), _ALL_DTYPES, 1, "UNIFORM_SINGLE_TOKEN_DECODE",
                                   frozenset(FEATURES)),
     "cpu": AttentionBackendSpec("cpu", ("cpu",), ("float32", "bfloat16"), 16, "NEVER"),
-    "triton": AttentionBackendSpec("triton", ("cuda",), _ALL_DTYPES, 1, "UNIFORM_SINGLE_TOKEN_DECODE"),
+    "triton": AttentionBackendSpec("triton", ("cuda",), _ALL_DTYPES, 1, "UNIFORM_SINGLE_TOKEN_DECODE",
+                                   frozenset(FEATURES)),
     # FlashAttention 2's paged KV: pages a multiple of 256 tokens, 16-bit only.
     "flash_attn": AttentionBackendSpec("flash_attn", ("cuda",), ("float16", "bfloat16"), 256,
                                        "UNIFORM_SINGLE_TOKEN_DECODE"),

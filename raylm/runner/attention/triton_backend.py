@@ -54,7 +54,8 @@ class TritonAttentionBackend(AttentionBackend):
                                        buffers.block_table, num_reqs, max_query_len=1)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         assert isinstance(metadata, TritonAttentionMetadata)
         num_tokens, num_heads, head_size = query.shape
         num_kv_heads, block_size = key.shape[1], kv_cache.shape[2]
@@ -87,8 +88,9 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.query_start_loc, scale, metadata.num_reqs,
             output.stride(0), query.stride(0), query.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), metadata.block_table.stride(0),
-            block_size, head_size,
+            block_size, head_size, sliding_window or 0, logits_soft_cap or 1.0,
             QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=TILE_N, HEAD_P2=head_p2,
             # float32 stays float32 (no TF32); None: the default of 16-bit inputs
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else None)
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+            SLIDING=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None)
         return output

@@ -59,11 +59,13 @@ def paged_attention(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_ta
                     query_start_loc_ptr, scale, num_reqs,
                     stride_ot, stride_qt, stride_qh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
-                    block_size, head_size,
+                    block_size, head_size, sliding_window, soft_cap,
                     QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                    TILE_N: tl.constexpr, HEAD_P2: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    TILE_N: tl.constexpr, HEAD_P2: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Causal attention of BLOCK_Q query tokens (all QUERIES_PER_KV heads of KV head program_id(1)) over keys
-    0..context+i of their request, TILE_N keys at a time, with an online softmax in float32."""
+    0..context+i of their request (SLIDING: only the last `sliding_window` of them; SOFT_CAP: scores mapped to
+    soft_cap * tanh(score / soft_cap)), TILE_N keys at a time, with an online softmax in float32."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
@@ -91,7 +93,10 @@ def paged_attention(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_ta
     acc = tl.zeros([BLOCK_M, HEAD_P2], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 instead of exp: log2(e)
     num_keys = tl.minimum(context_len + first + BLOCK_Q, seq_len)
-    for tile_start in range(0, num_keys, TILE_N):
+    lowest: tl.int32 = 0
+    if SLIDING:  # skip the tiles every row's window has left
+        lowest = tl.maximum(context_len + first - sliding_window + 1, 0) // TILE_N * TILE_N
+    for tile_start in range(lowest, num_keys, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         key_valid = pos < num_keys
         block = tl.load(block_table_ptr + req * stride_bt + pos // block_size, mask=key_valid, other=0).to(tl.int64)
@@ -100,8 +105,14 @@ def paged_attention(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_ta
         k = tl.load(key_cache_ptr + kv_offset[None, :] + dims[:, None], mask=k_mask, other=0.0)  # [HEAD_P2, TILE_N]
         v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :], mask=v_mask, other=0.0)  # [TILE_N, HEAD_P2]
 
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if SOFT_CAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), in the exp2 units of the softmax below
+            capped = tl.dot(q, k, input_precision=DOT_PRECISION) * (scale / soft_cap)
+            scores = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)) * 1.4426950408889634
+        else:
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = (pos[None, :] <= key_limit[:, None]) & key_valid[None, :] & row_valid[:, None]
+        if SLIDING:
+            visible = visible & (pos[None, :] > key_limit[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with nothing visible yet: no NaN from -inf - -inf
