@@ -131,10 +131,12 @@ def test_one_step_prefill_and_prefix_caching(checkpoints: dict[str, Path], refer
     assert runs[1][-1].num_cached_tokens > 0
 
 
-def test_tensor_parallel_on_ray_matches_single_device(ray_cluster: Any, checkpoints: dict[str, Path]) -> None:
-    """TP=2 over gloo: each rank one of the two KV heads, both kinds of layer, the windows and the final cap."""
+def test_tp2_pp2_on_ray_matches_single_device(ray_cluster: Any, checkpoints: dict[str, Path]) -> None:
+    """TP=2 over gloo (each rank one of the two KV heads) and PP=2 (a sliding and a global layer per stage; the
+    embedding's scale on the first, the tied head and final cap on the last)."""
     single = generate(checkpoints["gemma3"])
-    ours = generate(checkpoints["gemma3"], tensor_parallel_size=2, distributed_executor_backend="ray")
+    ours = generate(checkpoints["gemma3"], tensor_parallel_size=2, pipeline_parallel_size=2,
+                    distributed_executor_backend="ray")
     assert_same_output(ours, single)
 
 
