@@ -3,6 +3,7 @@ name and arguments text so far, so that arguments stream as the model writes the
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 _WHITESPACE = " \t\r\n"
@@ -21,46 +22,49 @@ def skip_whitespace(text: str, position: int) -> int:
 
 def value_end(text: str, start: int) -> int | None:
     """The end (exclusive) of the JSON value at text[start], or None while it is incomplete. A scalar ends at the
-    first delimiter, so one at the very end of the text counts as incomplete (more digits may follow)."""
+    first delimiter, so one at the very end of the text counts as incomplete (more digits may follow). The stream
+    re-reads a call on every delta, so the scanning is done by regular expressions (C), not a loop per character."""
     first = text[start]
     if first == '"':
         return _string_end(text, start)
     if first not in "{[":
         if first not in "-0123456789tfn":
             raise NotJson(f"no JSON value starts with {first!r}")
-        for position in range(start, len(text)):
-            if text[position] in ",}]" + _WHITESPACE:
-                return position
-        return None
+        delimiter = _SCALAR_END.search(text, start)
+        return delimiter.start() if delimiter is not None else None
     depth, position = 0, start
-    while position < len(text):
-        char = text[position]
+    while True:
+        found = _STRUCTURE.search(text, position)
+        if found is None:
+            return None
+        char, position = found.group(), found.start()
         if char == '"':
             end = _string_end(text, position)
             if end is None:
                 return None
             position = end
             continue
-        if char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return position + 1
+        depth += 1 if char in "{[" else -1
         position += 1
-    return None
+        if depth == 0:
+            return position
+
+
+# A string's characters up to its closing quote (or the end of the text): always matches, so never backtracks.
+_STRING_BODY = re.compile(r'(?:[^"\\]+|\\.)*', re.DOTALL)
+_STRUCTURE = re.compile(r'["{}\[\]]')
+_SCALAR_END = re.compile(r"[,}\]\s]")
 
 
 def _string_end(text: str, start: int) -> int | None:
-    position = start + 1
-    while position < len(text):
-        if text[position] == "\\":
-            position += 2
-            continue
-        if text[position] == '"':
-            return position + 1
-        position += 1
-    return None
+    end = string_body_end(_STRING_BODY, text, start + 1)
+    return end + 1 if end < len(text) and text[end] == '"' else None
+
+
+def string_body_end(body: re.Pattern[str], text: str, start: int) -> int:
+    match = body.match(text, start)
+    assert match is not None, "the pattern matches the empty string"
+    return match.end()
 
 
 @dataclass

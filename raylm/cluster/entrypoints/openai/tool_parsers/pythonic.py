@@ -8,7 +8,7 @@ import json
 import re
 
 from raylm.cluster.entrypoints.openai.tool_parsers.incremental import IncrementalToolParser, PartialCall, Segment
-from raylm.cluster.entrypoints.openai.tool_parsers.json_scan import skip_whitespace
+from raylm.cluster.entrypoints.openai.tool_parsers.json_scan import skip_whitespace, string_body_end
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _NAME = re.compile(r"[A-Za-z_][\w.]*")
@@ -77,32 +77,39 @@ def _arguments(text: str, position: int, call: PartialCall) -> int | None:
             return None
         try:
             value = json.dumps(ast.literal_eval(text[start:end].strip()), ensure_ascii=False)
-        except (ValueError, SyntaxError, TypeError):
+        except (ValueError, SyntaxError, TypeError, RecursionError):
             return None  # not a literal: the call stays unfinished (its arguments are not JSON)
         pieces.append(("{" if not pieces else ", ") + json.dumps(key.group()) + ": " + value)
         call.arguments = "".join(pieces)
         position = end + 1 if text[end] == "," else end
 
 
+_PUNCTUATION = re.compile(r"[\"'()\[\]{},]")
+# A string's characters up to its closing quote (or the end of the text): always matches, so never backtracks.
+_STRINGS = {'"': re.compile(r'(?:[^"\\]+|\\.)*', re.DOTALL), "'": re.compile(r"(?:[^'\\]+|\\.)*", re.DOTALL)}
+
+
 def _python_value_end(text: str, start: int) -> int | None:
-    """Where the literal at text[start] ends: the top-level ',' or ')' after it; None until one is written."""
-    depth, position, quote = 0, start, ""
-    while position < len(text):
-        char = text[position]
-        if quote:
-            if char == "\\":
-                position += 1
-            elif char == quote:
-                quote = ""
-        elif char in "\"'":
-            quote = char
-        elif char in "([{":
+    """Where the literal at text[start] ends: the top-level ',' or ')' after it; None until one is written. (By
+    regular expressions: the stream re-reads the call on every delta.)"""
+    depth, position = 0, start
+    while True:
+        found = _PUNCTUATION.search(text, position)
+        if found is None:
+            return None
+        char, position = found.group(), found.start()
+        if char in _STRINGS:
+            position = string_body_end(_STRINGS[char], text, position + 1)
+            if position == len(text):
+                return None
+            position += 1  # the closing quote
+            continue
+        if char in "([{":
             depth += 1
         elif char in ")]}":
             if depth == 0:
                 return position if char == ")" else None
             depth -= 1
-        elif char == "," and depth == 0:
+        elif depth == 0:  # a comma between arguments
             return position
         position += 1
-    return None
