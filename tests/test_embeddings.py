@@ -19,11 +19,12 @@ from transformers import AutoModel
 
 from raylm.cluster.engine.outputs import PoolingRequestOutput, RequestOutput
 from raylm.cluster.entrypoints.llm import LLM
+from raylm.common.outputs import SchedulerOutput
 from raylm.common.pooling_params import PoolingParams
 from raylm.common.sampling_params import SamplingParams
 from raylm.configs import make_engine_config
 from raylm.configs.loader import add_engine_args, engine_args_from
-from raylm.configs.pooler_config import PoolerConfig, resolve_pooler_config
+from raylm.configs.pooler_config import POOLING_TYPES, PoolerConfig, PoolingType, resolve_pooler_config
 from tests.http_server import MAX_MODEL_LEN, Server, served_engine
 
 # The longer prompt spans two KV blocks, and two steps of max_num_batched_tokens=32 (chunked prefill).
@@ -116,7 +117,8 @@ def test_pooler_config_on_the_command_line() -> None:
 def test_embed_equals_transformers_pooled_hidden_states(qwen3: Path, tmp_path: Path) -> None:
     """Every pooling type, normalised and not, in one batch (PoolingParams per prompt)."""
     path = with_pooling(qwen3, tmp_path / "model", "lasttoken", True)  # Qwen3-Embedding's pooling
-    kinds = [(pooling_type, normalize) for pooling_type in ("LAST", "MEAN", "CLS") for normalize in (True, False)]
+    kinds: list[tuple[PoolingType, bool]] = [(pooling_type, normalize) for pooling_type in POOLING_TYPES
+                                             for normalize in (True, False)]
     llm = LLM(str(path), **SETTINGS)
     try:
         default = llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS], use_tqdm=False)
@@ -129,8 +131,8 @@ def test_embed_equals_transformers_pooled_hidden_states(qwen3: Path, tmp_path: P
     for output, expected in zip(default, reference(path, PROMPTS, "LAST", True)):
         assert output.finished and output.outputs.hidden_size == HIDDEN_SIZE
         assert_close(output.outputs.embedding, expected)
-    expected = [vector for t, n in kinds for vector in reference(path, PROMPTS, t, n)]
-    for output, vector in zip(pooled, expected, strict=True):
+    vectors = [vector for t, n in kinds for vector in reference(path, PROMPTS, t, n)]
+    for output, vector in zip(pooled, vectors, strict=True):
         assert_close(output.outputs.embedding, vector)
 
 
@@ -151,7 +153,8 @@ def test_pooler_config_setting_and_limits(qwen3: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_embeddings_share_steps_with_generation(qwen3: Path, tmp_path: Path, async_scheduling: bool) -> None:
+def test_embeddings_share_steps_with_generation(qwen3: Path, tmp_path: Path, async_scheduling: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Pooling requests scheduled beside generation requests, on one engine: the pooled vectors are transformers',
     and the generated tokens are those the engine generates with no pooling request beside them."""
     path = with_pooling(qwen3, tmp_path / "model", "mean_tokens", False)
@@ -166,18 +169,24 @@ def test_embeddings_share_steps_with_generation(qwen3: Path, tmp_path: Path, asy
             engine.add_request(f"gen-{i}", {"prompt_token_ids": ids}, greedy, output_kind="final")
         for i, ids in enumerate(PROMPTS):
             engine.add_request(f"embed-{i}", {"prompt_token_ids": ids}, PoolingParams())
+        scheduler = engine.engine_core.scheduler  # type: ignore[union-attr]
+        steps: list[set[str]] = []  # the requests each step scheduled
+        schedule = scheduler.schedule
+
+        def recording_schedule() -> SchedulerOutput:
+            output = schedule()
+            steps.append(set(output.num_scheduled_tokens))
+            return output
+
+        monkeypatch.setattr(scheduler, "schedule", recording_schedule)  # the real one, its outputs recorded
         finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
-        shared_step = False  # a step that ran the prompts of both kinds
         while engine.has_unfinished_requests():
-            scheduled = engine.engine_core.scheduler.running  # type: ignore[union-attr]
-            kinds = {request.pooling_params is None for request in scheduled}
-            outputs = engine.step()
-            shared_step |= kinds == {True, False}
-            finished.update((output.request_id, output) for output in outputs if output.finished)
+            finished.update((output.request_id, output) for output in engine.step() if output.finished)
     finally:
         llm.shutdown()
-    assert shared_step
-    assert [finished[f"gen-{i}"].outputs[0].token_ids for i in range(len(gen_prompts))] == alone  # type: ignore[union-attr]
+    assert any({"gen-0", "embed-1"} <= step for step in steps)  # the embed request's prompt beside generation
+    generated = [finished[f"gen-{i}"] for i in range(len(gen_prompts))]
+    assert [o.outputs[0].token_ids for o in generated if isinstance(o, RequestOutput)] == alone
     for i, expected in enumerate(reference(path, PROMPTS, "MEAN", False)):
         output = finished[f"embed-{i}"]
         assert isinstance(output, PoolingRequestOutput)
