@@ -22,6 +22,7 @@ from raylm.configs.attention_backends import (
     layer_sliding_windows,
 )
 from raylm.configs.environment import EnvironmentFacts
+from tests.http_server import served_engine
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
 
 MAX_TOKENS = 8
@@ -129,6 +130,25 @@ def test_one_step_prefill_and_prefix_caching(checkpoints: dict[str, Path], refer
         ours = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
         assert check_logprobs_close(references["gemma3"], ours, f"gemma3/{name}") == 0
     assert runs[1][-1].num_cached_tokens > 0
+
+
+def test_openai_server_serves_transformers_tokens(checkpoints: dict[str, Path], references: dict[str, list]) -> None:
+    """Through the OpenAI app: /v1/completions on token-id prompts returns transformers' greedy text and logprobs."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints["gemma2"])
+    with served_engine(checkpoints["gemma2"], max_model_len=128) as (server, _):
+        model = server.request("GET", "/v1/models")[1]["data"][0]["id"]
+        for prompt, (tokens, top) in zip(prompts(), references["gemma2"], strict=True):
+            status, body = server.request("POST", "/v1/completions", {
+                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1})
+            assert status == 200, body
+            choice = body["choices"][0]
+            # The detokenizer holds back an unfinished UTF-8 sequence at the end (random tokens split characters).
+            assert choice["text"].rstrip("\ufffd") == tokenizer.decode(tokens).rstrip("\ufffd")
+            assert [abs(lp - max(at.values())) < 1e-4 for lp, at in zip(choice["logprobs"]["token_logprobs"], top,
+                                                                      strict=True)] == [True] * MAX_TOKENS
 
 
 def test_tp2_pp2_on_ray_matches_single_device(ray_cluster: Any, checkpoints: dict[str, Path]) -> None:
