@@ -289,3 +289,30 @@ def test_openai_embeddings_refusals(server: Server, client: openai.OpenAI, matry
     if len(body["input"]) > MAX_MODEL_LEN:  # the client sees it as OpenAI's BadRequestError
         with pytest.raises(openai.BadRequestError, match="maximum context length"):
             client.embeddings.create(model=matryoshka.name, input=body["input"])
+
+
+def test_openai_embeddings_of_a_lora_adapter(qwen3: Path, tmp_path: Path) -> None:
+    """With enable_lora the adapters are models: `model` naming one pools the hidden states of the base model with
+    the adapter applied (PEFT's), the base model's name those without."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.lora_utils import make_adapter
+
+    adapter = make_adapter(qwen3, tmp_path / "sql", seed=3)
+    ids = [[7, 8, 9, 10], list(range(200, 240))]
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.float32), adapter)
+        expected = [F.normalize(peft.base_model.model.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
+                    for p in ids]
+    with served_engine(qwen3, enable_lora=True, lora_modules=[f"sql={adapter}"]) as (server, _):
+        status, body = server.request("POST", "/v1/embeddings", {"model": "sql", "input": ids})
+        assert status == 200, body
+        assert body["model"] == "sql"
+        for data, vector in zip(body["data"], expected, strict=True):
+            assert_close(data["embedding"], vector)
+        status, base = server.request("POST", "/v1/embeddings", {"model": qwen3.name, "input": ids})
+        assert status == 200, base
+    for data, vector, adapted in zip(base["data"], reference(qwen3, ids, "LAST", True), expected, strict=True):
+        assert_close(data["embedding"], vector)
+        assert F.cosine_similarity(vector, adapted, dim=0).item() < 0.999  # the adapter changes the vector

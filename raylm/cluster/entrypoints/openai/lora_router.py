@@ -7,13 +7,16 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from raylm.cluster.engine.async_llm import AsyncLLM
-from raylm.cluster.engine.outputs import RequestOutput
+from raylm.cluster.engine.outputs import PoolingRequestOutput, RequestOutput
 from raylm.cluster.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard
+from raylm.cluster.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
 from raylm.cluster.entrypoints.openai.router import EngineModelRouter, ServingResult
 from raylm.cluster.entrypoints.openai.serving_chat import OpenAIServingChat
 from raylm.cluster.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from raylm.cluster.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from raylm.cluster.entrypoints.openai.serving_models import OpenAIServingModels
 from raylm.common.lora_request import LoRARequest
+from raylm.common.pooling_params import PoolingParams
 from raylm.common.sampling_params import SamplingParams
 
 
@@ -39,6 +42,10 @@ class AdapterEngine:
                  priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         return self.engine.generate(request_id, prompt, params, priority, lora_request=self.lora_request)
 
+    async def encode(self, request_id: str, prompt: Any, pooling_params: PoolingParams,
+                     priority: int = 0) -> PoolingRequestOutput:
+        return await self.engine.encode(request_id, prompt, pooling_params, priority, lora_request=self.lora_request)
+
 
 class LoRAModelRouter(EngineModelRouter):
     """One AsyncLLM with enable_lora: the base model and its adapters."""
@@ -61,3 +68,9 @@ class LoRAModelRouter(EngineModelRouter):
         if lora is None:
             return await self.serving_chat.create_chat_completion(request)
         return await OpenAIServingChat(AdapterEngine(self.engine, lora)).create_chat_completion(request)  # type: ignore[arg-type]
+
+    async def embeddings(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        lora = await self.models.resolve(request.model)
+        if lora is None:
+            return await self.serving_embedding.create_embedding(request)
+        return await OpenAIServingEmbedding(AdapterEngine(self.engine, lora)).create_embedding(request)  # type: ignore[arg-type]
