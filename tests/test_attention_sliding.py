@@ -6,6 +6,7 @@ import pytest
 import torch
 from test_attention_torch import make_common_metadata
 
+from raylm.runner.attention import torch_backend
 from raylm.runner.attention.common import DecodeGraphBuffers
 from raylm.runner.attention.torch_backend import TorchAttentionBackend
 from raylm.runner.attention.torch_paged_decode import decode_capacity
@@ -46,6 +47,7 @@ def _cached(kv_cache: torch.Tensor, table: list[int], s_len: int) -> tuple[torch
     return kv_cache[0].flatten(0, 1)[slots], kv_cache[1].flatten(0, 1)[slots]
 
 
+@pytest.mark.parametrize("score_chunk", [torch_backend.SCORE_CHUNK, 64])  # 64: a few query rows at a time
 @pytest.mark.parametrize(("window", "cap"), [(3, None), (None, 0.5), (5, 0.5)])
 @pytest.mark.parametrize(("query_lens", "seq_lens"), [
     ([1, 7, 1, 5, 1], [9, 7, 3, 12, 1]),  # decodes of different lengths, a prefill, a chunk with context
@@ -55,7 +57,8 @@ def _cached(kv_cache: torch.Tensor, table: list[int], s_len: int) -> tuple[torch
     ([1, 3, 13, 2, 1], [5, 3, 13, 6, 1]),  # prompts of far-apart lengths: packed block-diagonally
 ])
 def test_window_and_cap_match_reference(query_lens: list[int], seq_lens: list[int], window: int | None,
-                                        cap: float | None) -> None:
+                                        cap: float | None, score_chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch_backend, "SCORE_CHUNK", score_chunk)
     generator = torch.Generator().manual_seed(0)
     backend = TorchAttentionBackend()
     kv_cache, tables = _cache_and_tables(seq_lens, generator)
@@ -96,9 +99,11 @@ def test_decode_graph_path_matches_reference(window: int, cap: float | None) -> 
     torch.testing.assert_close(output[:3].double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_dummy_run_applies_window_and_cap() -> None:
+@pytest.mark.parametrize("score_chunk", [torch_backend.SCORE_CHUNK, 64])
+def test_dummy_run_applies_window_and_cap(score_chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without metadata (dummy and profile runs) a layer attends over the batch as one sequence, window and cap
     included."""
+    monkeypatch.setattr(torch_backend, "SCORE_CHUNK", score_chunk)
     generator = torch.Generator().manual_seed(2)
     layer = Attention(HEADS, HEAD_SIZE, SCALE, KV_HEADS, sliding_window=4, logits_soft_cap=0.5)
     query = torch.randn(10, HEADS * HEAD_SIZE, generator=generator) * 3

@@ -31,6 +31,9 @@ from raylm.runner.attention.torch_paged_decode import (
 )
 from raylm.runner.host_sync import to_device
 
+# Scores (float32) a soft-capped attention call holds at once: 256 MiB, whatever the prompt's length.
+SCORE_CHUNK = 1 << 26
+
 
 @dataclass
 class SDPAGroup:
@@ -254,15 +257,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            logits_soft_cap: float | None = None) -> torch.Tensor:
     """q [B, H, Q, D], k/v [B, KV, S, D] (H a multiple of KV), mask broadcastable to [B, H, Q, S] (True: attend) ->
     [B, H, Q, D]. SDPA, unless the scores are soft-capped: then in float32 by hand, as transformers' eager attention
-    (the cap applies to the scaled scores, before the mask)."""
+    (the cap applies to the scaled scores, before the mask), SCORE_CHUNK query rows' scores at a time at most."""
     if logits_soft_cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
-    scores = torch.matmul(q.float(), k.transpose(-1, -2)).mul_(scale / logits_soft_cap).tanh_().mul_(logits_soft_cap)
-    if is_causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), v).to(q.dtype)
+    rows = max(1, SCORE_CHUNK // (q.shape[0] * q.shape[1] * k.shape[2]))
+    outputs = []
+    for start in range(0, q.shape[2], rows):
+        chunk = q[:, :, start:start + rows].float()
+        scores = torch.matmul(chunk, k.transpose(-1, -2)).mul_(scale / logits_soft_cap).tanh_().mul_(logits_soft_cap)
+        if is_causal:  # a fresh prompt's own keys (Q == S): row i sees keys 0..i
+            row = torch.arange(start, start + chunk.shape[2], device=q.device)
+            scores.masked_fill_(torch.arange(k.shape[2], device=q.device) > row[:, None], float("-inf"))
+        elif mask is not None:
+            scores.masked_fill_(~mask[..., start:start + rows, :] if mask.shape[-2] > 1 else ~mask, float("-inf"))
+        outputs.append(torch.matmul(scores.softmax(dim=-1), v))
+    return torch.cat(outputs, dim=2).to(q.dtype)
