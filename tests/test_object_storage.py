@@ -247,6 +247,8 @@ def test_bad_sources_are_refused_naming_the_field(s3: S3, llama_path: Path, sett
     with pytest.raises(ValueError, match=re.escape(error.format(bucket=BUCKET))) as refused:
         LLM(**settings, **ENGINE)
     assert "s3://bucket/prefix" in str(refused.value)  # and what would work
+    if settings["model"].startswith("s3://") and settings["model"] != "s3://":
+        assert not copy_root(settings["model"]).exists()  # nothing left in the cache
 
 
 def test_missing_credentials_are_refused_naming_the_variables(s3: S3, llama_path: Path,

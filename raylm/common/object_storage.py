@@ -42,11 +42,11 @@ def local_copy(uri: str, field: str) -> Path:
     needed. `field` is the setting that named it, for errors."""
     path = _split(uri, field)[1].rstrip("/")
     name = path.rsplit("/", 1)[-1]
+    fs = _filesystem(uri, field)
+    objects = _list(fs, uri, field)  # before any folder is made: a URI refused leaves nothing behind
     root = cache_path("object-storage", content_key(uri))
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / "lock"):
-        fs = _filesystem(uri, field)
-        objects = _list(fs, uri, field)
         manifest = _read_manifest(root, uri)
         _drop_unlisted(root / name, objects, manifest)
         missing = {rel: info for rel, info in objects.items() if not _done(root / name, rel, info, manifest)}
