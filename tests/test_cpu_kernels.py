@@ -162,6 +162,39 @@ def test_cpu_backend_matches_torch_backend(query_lens: list[int], seq_lens: list
     assert torch.equal(cpu_cache, _logical_to_cpu_layout(logical))  # both wrote the same new K/V
 
 
+@pytest.mark.parametrize(("window", "cap"), [(5, None), (17, 0.5), (40, None), (None, 0.5)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 80)], ids=lambda h: "q{}-kv{}-d{}".format(*h))
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [
+    ([1, 7, 1, 5, 1], [9, 7, 40, 37, 1]),
+    ([1, 1, 1], [16, 17, 70]),
+    ([40], [40]),
+    ([20, 3], [70, 5]),
+])
+def test_cpu_backend_window_and_cap_match_torch_backend(query_lens: list[int], seq_lens: list[int],
+                                                        heads: tuple[int, int, int], window: int | None,
+                                                        cap: float | None, kernel_build: None) -> None:
+    """A sliding window (shorter than a tile, across tiles, over whole sequences) and a logit soft-cap: the kernel
+    skips the tiles before every row's window, which the torch backend (checked against a naive reference in
+    test_attention_sliding.py) masks."""
+    num_heads, kv_heads, head_size = heads
+    generator = torch.Generator().manual_seed(1)
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    block_tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
+    common, _ = make_common_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
+    logical = torch.randn(TorchAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_size),
+                          generator=generator)
+    cpu_cache = _logical_to_cpu_layout(logical)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_size, generator=generator) * 3  # sharp: the cap matters
+    key, value = (torch.randn(num_tokens, kv_heads, head_size, generator=generator) for _ in range(2))
+    torch_backend, cpu_backend = TorchAttentionBackend(), CPUAttentionBackend()
+    expected = torch_backend.forward(query, key, value, logical, torch_backend.build(common), 0.3,
+                                     sliding_window=window, logits_soft_cap=cap)
+    got = cpu_backend.forward(query, key, value, cpu_cache, cpu_backend.build(common), 0.3, sliding_window=window,
+                              logits_soft_cap=cap)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_backend_choice_and_errors() -> None:
     assert choose_attn_backend("auto", "cpu", torch.float32, 16) == CPUAttentionBackend.name
     assert choose_attn_backend("auto", "cpu", torch.float32, 8) == TorchAttentionBackend.name

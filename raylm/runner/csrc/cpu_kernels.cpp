@@ -19,7 +19,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &raylm::silu_and_mul, kNoGil);
   m.def("rotary_embedding", &raylm::rotary_embedding, kNoGil);
   m.def("write_kv", &raylm::write_kv, kNoGil);
-  m.def("paged_attention", &raylm::paged_attention, kNoGil);
+  namespace py = pybind11;
+  m.def("paged_attention", &raylm::paged_attention, kNoGil, py::arg("out"), py::arg("query"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("query_start_loc"),
+        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0);
   m.def("add_lora", &raylm::add_lora, kNoGil);
   m.def("pack_skinny", &raylm::pack_skinny, kNoGil);
   m.def("skinny_linear", &raylm::skinny_linear, kNoGil);
