@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel
 
+from raylm.cluster.engine.config_resolver import resolve_engine_config
 from raylm.cluster.engine.outputs import PoolingRequestOutput, RequestOutput
+from raylm.cluster.engine.pooling_checks import check_pooling_params
 from raylm.cluster.entrypoints.llm import LLM
 from raylm.common.outputs import SchedulerOutput
 from raylm.common.pooling_params import PoolingParams
@@ -112,6 +114,21 @@ def test_pooler_config_on_the_command_line() -> None:
     assert config.pooler_config == PoolerConfig(pooling_type="MEAN", normalize=False)
     with pytest.raises(ValueError, match="pooler_config.pooling_type"):
         make_engine_config(pooler_config={"pooling_type": "MAX"})
+
+
+def test_pooling_params_checked_against_the_engine(qwen3: Path, tmp_path: Path) -> None:
+    matryoshka = with_pooling(qwen3, tmp_path / "model", "mean_tokens", False, {"is_matryoshka": True})
+    config = resolve_engine_config(make_engine_config(model=str(matryoshka), **SETTINGS))
+    filled = check_pooling_params(PoolingParams(dimensions=HIDDEN_SIZE), config)  # the model's pooler fills the rest
+    assert filled == PoolingParams(dimensions=HIDDEN_SIZE, normalize=False, pooling_type="MEAN")
+    with pytest.raises(ValueError, match="more than the model's hidden size"):
+        check_pooling_params(PoolingParams(dimensions=HIDDEN_SIZE + 1), config)
+    with pytest.raises(ValueError, match="PoolingParams.dimensions must be >= 1"):
+        PoolingParams(dimensions=0)
+    drafting = resolve_engine_config(make_engine_config(
+        model=str(matryoshka), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **SETTINGS))
+    with pytest.raises(ValueError, match="speculative_config"):
+        check_pooling_params(PoolingParams(), drafting)
 
 
 def test_embed_equals_transformers_pooled_hidden_states(qwen3: Path, tmp_path: Path) -> None:
