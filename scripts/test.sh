@@ -8,5 +8,6 @@ scripts/bootstrap.sh
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 RAY_USAGE_STATS_ENABLED=0
 if [ "$#" -eq 0 ]; then
   .venv/bin/mypy
+  set -- --durations=30  # the whole suite lists its slowest tests: the budget is ~20 minutes on 2 cores
 fi
 exec .venv/bin/python -m pytest -q "$@"
