@@ -320,8 +320,8 @@ def test_openai_embeddings_of_a_lora_adapter(qwen3: Path, tmp_path: Path) -> Non
     ids = [[7, 8, 9, 10], list(range(200, 240))]
     with torch.no_grad():
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.float32), adapter)
-        expected = [F.normalize(peft.base_model.model.model(torch.tensor([p])).last_hidden_state[0, -1], dim=0)
-                    for p in ids]
+        decoder: Any = peft.get_base_model().model  # the adapted Qwen3Model: its last_hidden_state, post-norm
+        expected = [F.normalize(decoder(torch.tensor([p])).last_hidden_state[0, -1], dim=0) for p in ids]
     with served_engine(qwen3, enable_lora=True, lora_modules=[f"sql={adapter}"]) as (server, _):
         status, body = server.request("POST", "/v1/embeddings", {"model": "sql", "input": ids})
         assert status == 200, body
