@@ -106,6 +106,13 @@ def test_pooler_config_from_sentence_transformers_files(qwen3: Path, tmp_path: P
     assert (plain.pooling_type, plain.normalize) == ("LAST", True)
 
 
+def test_a_pooling_mode_raylm_lacks_needs_pooler_config(qwen3: Path, tmp_path: Path) -> None:
+    path = with_pooling(qwen3, tmp_path / "model", "max_tokens", True)
+    with pytest.raises(ValueError, match=r"names the pooling modes \['pooling_mode_max_tokens'\].*pooler_config"):
+        resolve_pooler_config(None, str(path))
+    assert resolve_pooler_config(PoolerConfig(pooling_type="MEAN"), str(path)).pooling_type == "MEAN"
+
+
 def test_pooler_config_on_the_command_line() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -40,12 +40,16 @@ def resolve_pooler_config(override: PoolerConfig | None, model_path: str) -> Poo
     vLLM's defaults for a decoder embedding model (LAST, normalised)."""
     checkpoint = read_sentence_transformers_pooling(Path(model_path))
     pooling_type = override.pooling_type if override and override.pooling_type else checkpoint.get("pooling_type")
+    if pooling_type is None and "unsupported" in checkpoint:
+        raise ValueError(f"{checkpoint['unsupported']}: raylm pools with one of {sorted(_ST_POOLING_MODES)}; set "
+                         f"pooler_config's pooling_type (LAST, MEAN or CLS) to choose one")
     normalize = override.normalize if override and override.normalize is not None else checkpoint.get("normalize")
     return PoolerConfig(pooling_type=pooling_type or "LAST", normalize=True if normalize is None else normalize)
 
 
 def read_sentence_transformers_pooling(path: Path) -> dict[str, Any]:
-    """{"pooling_type", "normalize"} as far as the checkpoint folder's modules.json says (empty without one)."""
+    """{"pooling_type", "normalize"} as far as the checkpoint folder's modules.json says (empty without one);
+    "unsupported" says which pooling modes it names that raylm does not pool with (several, or max, weighted mean)."""
     modules_file = path / "modules.json"
     if not path.is_dir() or not modules_file.exists():
         return {}
@@ -55,11 +59,9 @@ def read_sentence_transformers_pooling(path: Path) -> dict[str, Any]:
     if pooling is not None:
         config_file = path / pooling.get("path", "") / "config.json"
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
-        modes = [pooling_type for mode, pooling_type in _ST_POOLING_MODES.items() if config.get(mode)]
-        if len(modes) > 1 or (config and not modes and any(k.startswith("pooling_mode_") and v
-                                                              for k, v in config.items())):
-            raise ValueError(f"{config_file}: pooling modes {sorted(k for k, v in config.items() if v is True)}: "
-                             f"raylm pools one of {sorted(_ST_POOLING_MODES)}; set pooler_config to choose")
-        if modes:
-            found["pooling_type"] = modes[0]
+        chosen = sorted(key for key, value in config.items() if key.startswith("pooling_mode_") and value is True)
+        if len(chosen) == 1 and chosen[0] in _ST_POOLING_MODES:
+            found["pooling_type"] = _ST_POOLING_MODES[chosen[0]]
+        elif chosen:
+            found["unsupported"] = f"{config_file} names the pooling modes {chosen}"
     return found
