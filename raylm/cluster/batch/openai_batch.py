@@ -1,7 +1,7 @@
 """The OpenAI Batch file format (what vLLM's run_batch reads and writes): one request a line (chat, completions or
 embeddings), `{custom_id, method, url, body}`, answered by the OpenAI server's own code (the router over an AsyncLLM)
-with one output line each, `{id, custom_id, response: {status_code, request_id, body}, error}`. A request the server would refuse is answered with its
-error (status_code and error set, no body), as the server answers it."""
+with one output line each, `{id, custom_id, response: {status_code, request_id, body}, error}`. A request the server
+would refuse is answered with its error (status_code and error set, no body), as the server answers it."""
 from __future__ import annotations
 
 import asyncio
