@@ -21,6 +21,7 @@ from ray import serve
 from ray._private.state import actors
 from ray.serve.context import _get_global_client
 
+from raylm import LLM
 from raylm.cluster.serve.app import (
     SERVE_ENV_VARS,
     LLMServer,
@@ -158,6 +159,18 @@ def test_answers_through_serve(base_url: str, application: dict[str, Any], llama
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="hi", max_tokens=0)
+
+    # Embeddings through the ingress's handle to a replica, as the offline engine pools them.
+    served = client.embeddings.create(model=model, input=["Hello there", "Once upon a time"]).data
+    offline = LLM(model=str(llama_path), distributed_executor_backend="uni")
+    try:
+        expected = [output.outputs.embedding for output in offline.embed(["Hello there", "Once upon a time"])]
+    finally:
+        offline.shutdown()
+    for got, want in zip(served, expected, strict=True):
+        assert got.embedding == pytest.approx(want, abs=1e-5)
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        client.embeddings.create(model=model, input="hi", dimensions=3)
 
     deployments = _get_global_client().get_serve_details()["applications"][application["name"]]["deployments"]
     autoscaling = deployments[f"LLMServer:{model}"]["deployment_config"]["autoscaling_config"]

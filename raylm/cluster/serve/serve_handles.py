@@ -3,8 +3,9 @@ LLMServer replicas, and the ModelRouter it serves the routes with.
 
 A replica answers `openai_stream(kind, request)` with one item per message: ("response", the whole response),
 ("chunk", an SSE event) or ("error", an OpenAI error body), so errors keep their status through the handle and a
-stream is relayed event by event. `prefill(kind, request)` runs the request as a disaggregated prefill (one token, its
-KV kept for a decode engine) and returns its kv_transfer_params.
+stream is relayed event by event; `embed(request)` answers /v1/embeddings with the response or the error body.
+`prefill(kind, request)` runs the request as a disaggregated prefill (one token, its KV kept for a decode engine) and
+returns its kv_transfer_params.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pydantic import BaseModel
 
 from raylm.cluster.entrypoints.openai.errors import OpenAIError, error_from_exception
 from raylm.cluster.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelCard
-from raylm.cluster.entrypoints.openai.router import EngineModelRouter, ServingResult
+from raylm.cluster.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
+from raylm.cluster.entrypoints.openai.router import EmbeddingRouter, EngineModelRouter, ServingResult
 
 logger = logging.getLogger(__name__)
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
@@ -61,6 +63,15 @@ class LLMServerHandles:
         assert isinstance(response, BaseModel)
         return getattr(response, "kv_transfer_params", None)
 
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResponse | ErrorResponse:
+        """/v1/embeddings on this replica: the response, or the error body (its status kept through the handle)."""
+        try:
+            if not isinstance(self.router, EmbeddingRouter):
+                raise OpenAIError("/v1/embeddings is not served by this app's models", HTTPStatus.NOT_FOUND)
+            return await self.router.embeddings(request)
+        except Exception as err:
+            return error_from_exception(err)
+
     async def model_cards(self) -> list[ModelCard]:
         return await self.router.list_models()
 
@@ -98,6 +109,12 @@ class HandleModelRouter:
 
     async def chat(self, request: ChatCompletionRequest) -> ServingResult:
         return await self._serve("chat", request, True)
+
+    async def embeddings(self, request: EmbeddingRequest) -> EmbeddingResponse:
+        response = await self.llm_server.embed.remote(request)
+        if isinstance(response, ErrorResponse):
+            raise OpenAIError(response.error.message, HTTPStatus(response.error.code), response.error.param)
+        return response
 
     async def check_health(self) -> None:
         await self.llm_server.check_health.remote()
