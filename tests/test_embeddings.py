@@ -340,3 +340,26 @@ def test_openai_embeddings_of_a_lora_adapter(qwen3: Path, tmp_path: Path) -> Non
     for data, vector, adapted in zip(base["data"], reference(qwen3, ids, "LAST", True), expected, strict=True):
         assert_close(data["embedding"], vector)
         assert F.cosine_similarity(vector, adapted, dim=0).item() < 0.999  # the adapter changes the vector
+
+
+def test_a_bare_decoder_checkpoint_loads(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Qwen3-Embedding's layout: the decoder saved as `Qwen3Model` (no `model.` prefix, no lm_head: its embeddings
+    are tied), config.json still naming Qwen3ForCausalLM; it pools as transformers' Qwen3Model does."""
+    qwen3_path = checkpoints["qwen3"]
+    source = tmp_path / "tied"
+    config = json.loads((qwen3_path / "config.json").read_text())
+    AutoModel.from_pretrained(qwen3_path, dtype=torch.float32, tie_word_embeddings=True).save_pretrained(source)
+    config_file = source / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "architectures": config["architectures"],
+                                       "tie_word_embeddings": True}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (qwen3_path / name).exists():
+            shutil.copy(qwen3_path / name, source / name)
+    bare = with_pooling(source, tmp_path / "bare", "lasttoken", True)
+    llm = LLM(model=str(bare), **SETTINGS)
+    try:
+        outputs = llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for output, expected in zip(outputs, reference(bare, PROMPTS, "LAST", True), strict=True):
+        assert_close(output.outputs.embedding, expected)

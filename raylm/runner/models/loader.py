@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# Names of a bare decoder checkpoint (saved from `Qwen3Model` rather than `Qwen3ForCausalLM`, as Qwen3-Embedding is):
+# the same weights without the `model.` prefix, and no lm_head where the embeddings are tied.
+_BARE_DECODER_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
 def safetensors_files(model_path: str | Path) -> list[Path]:
@@ -44,12 +47,14 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
 
 def iterate_weights(model_path: str | Path, skip: Callable[[str], bool] = lambda name: False
                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every checkpoint weight not skipped; skipped ones are never read."""
+    """(name, CPU tensor) for every checkpoint weight not skipped, named as in a *ForCausalLM checkpoint (a bare
+    decoder's names get their `model.` prefix); skipped ones are never read."""
     for file in safetensors_files(model_path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = f"model.{stored}" if stored.startswith(_BARE_DECODER_PREFIXES) else stored
                 if not skip(name):
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_tensor(stored)
 
 
 @contextmanager
