@@ -36,7 +36,7 @@ _ALL_DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = {
     "torch": AttentionBackendSpec("torch", ("cpu", "cuda"), _ALL_DTYPES, 1, "UNIFORM_SINGLE_TOKEN_DECODE",
                                   frozenset(FEATURES)),
-    "cpu": AttentionBackendSpec("cpu", ("cpu",), ("float32", "bfloat16"), 16, "NEVER"),
+    "cpu": AttentionBackendSpec("cpu", ("cpu",), ("float32", "bfloat16"), 16, "NEVER", frozenset(FEATURES)),
     "triton": AttentionBackendSpec("triton", ("cuda",), _ALL_DTYPES, 1, "UNIFORM_SINGLE_TOKEN_DECODE",
                                    frozenset(FEATURES)),
     # FlashAttention 2's paged KV: pages a multiple of 256 tokens, 16-bit only.

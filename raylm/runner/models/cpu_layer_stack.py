@@ -92,6 +92,8 @@ def why_not_stacked(model: nn.Module) -> str | None:
     for layer in layers:
         if type(layer).forward is not LlamaDecoderLayer.forward or type(layer.self_attn) is not LlamaAttention:
             return f"{type(layer).__name__} changes the Llama layer (e.g. a q/k norm)"
+        if layer.self_attn.attn.features:
+            return "its attention has a sliding window or a logit soft-cap, which the fused layers do not apply"
         if type(layer.mlp) is not LlamaMLP:
             return f"{type(layer.mlp).__name__} is not Llama's MLP"
         if type(layer.self_attn.rotary_emb) is not RotaryEmbedding:
