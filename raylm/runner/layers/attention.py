@@ -1,7 +1,7 @@
 """The attention layer of a model: owns its KV cache (assigned by the runner) and runs whatever backend built
 the current step's metadata. A layer with a sliding window or a logit soft-cap passes them to the backend on each
 call; the resolver picked a backend that has them (configs/attention_backends.py), and a plain layer passes neither,
-so backends without them (the cpu kernel) keep their signature."""
+so a backend without them (flash_attn) keeps its signature."""
 from __future__ import annotations
 
 import torch
