@@ -1,7 +1,8 @@
 """AsyncLLM: the engine behind asyncio frontends (the OpenAI app, Ray Serve replicas, batch replicas).
 One background thread owns the LLMEngine: it builds it, steps it while there is work, sleeps on a condition when
 there is none, and applies the frontends' commands (add, abort, health check) between steps; each request's outputs
-go back to an asyncio.Queue on the caller's event loop.
+go back to an asyncio.Queue on the caller's event loop. Over 300 lines: the frontends' calls and the thread that
+serves them share the command queue and the per-request streams.
 """
 from __future__ import annotations
 
@@ -35,12 +36,7 @@ from raylm.cluster.engine.outputs import (
     RequestOutput,
 )
 from raylm.cluster.engine.request_state import RequestState, finished_stats
-from raylm.cluster.engine.stats import (
-    IterationStats,
-    LoggingStatLogger,
-    SchedulerStats,
-    StatLogger,
-)
+from raylm.cluster.engine.stats import IterationStats, LoggingStatLogger, SchedulerStats, StatLogger
 from raylm.cluster.models.default_model import served_model_name
 from raylm.common.lora_request import LoRARequest
 from raylm.common.pooling_params import PoolingParams
