@@ -76,9 +76,17 @@ class IncrementalDetokenizer:
     def num_output_tokens(self) -> int:
         return len(self._token_ids) - self._num_context_tokens
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
-        """Appends tokens one by one; returns the stop string if one appears (the text is then truncated)."""
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
+        """Appends tokens one by one; returns the stop string if one appears (the text is then truncated).
+
+        `stop_terminated`: the last token is the stop token (EOS or one of stop_token_ids) that ended the request.
+        As in vLLM, it is kept in the token ids but its text is left out, unless include_stop_str_in_output.
+        """
         token_ids = self._token_ids
+        skipped_stop_token_id = None
+        if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
+            skipped_stop_token_id = new_token_ids[-1]
+            new_token_ids = new_token_ids[:-1]
         for token_id in new_token_ids:
             token_ids.append(token_id)
             new_text = self._decode_next()
@@ -89,6 +97,8 @@ class IncrementalDetokenizer:
                 stop_str = self._check_stop_strings(len(new_text))
                 if stop_str is not None:
                     return stop_str
+        if skipped_stop_token_id is not None:
+            token_ids.append(skipped_stop_token_id)
         return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:

@@ -58,7 +58,7 @@ class LLMEngine:
             self.engine_core = DPEngineCoreClient(config)
         else:
             self.engine_core = EngineCore(config)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, eos)
         self.lora_checker = LoRAChecker(config)
         # Requests without a seed get one drawn here: every rank of an engine then samples them identically, and
         # they sample the same whichever data-parallel engine serves them.

@@ -5,6 +5,7 @@ parent RequestOutput holding one CompletionOutput per child, ordered by index.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -64,11 +65,16 @@ class RequestState:
     index: int
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None  # None: not requested
+    stop_token_ids: frozenset[int]  # EOS and the request's stop_token_ids
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Collection[int] | None = None) -> None:
+        """`eos_token_ids`: the tokens that stop a request as EOS (the tokenizer's EOS when None)."""
         self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+        self.eos_token_ids = frozenset(eos_token_ids)
         # Single-token texts shared by the detokenizers, one memo per skip_special_tokens setting.
         self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
         self.request_states: dict[str, RequestState] = {}
@@ -116,7 +122,9 @@ class OutputProcessor:
             token_texts=self._token_texts[sampling_params.skip_special_tokens],
         )
         logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
-        self.request_states[request_id] = RequestState(request_id, parent, index, detokenizer, logprobs)
+        stop_token_ids = self.eos_token_ids.union(sampling_params.stop_token_ids)
+        self.request_states[request_id] = RequestState(request_id, parent, index, detokenizer, logprobs,
+                                                       stop_token_ids)
 
     def parent_ids(self, child_ids: list[str]) -> list[str]:
         """The user-facing request ids of engine-core requests (a child of n > 1 maps to its parent)."""
@@ -199,9 +207,13 @@ class OutputProcessor:
         "final", the request is not finished."""
         detokenizer = state.detokenizer
         num_tokens_before = detokenizer.num_output_tokens
-        stop_str = detokenizer.update(engine_core_output.new_token_ids)
+        new_token_ids = engine_core_output.new_token_ids
+        # A "stop" on an EOS or stop_token_ids token (not a grammar's end on a content token): its text is left out.
+        stop_terminated = (engine_core_output.finish_reason == "stop" and bool(new_token_ids)
+                           and new_token_ids[-1] in state.stop_token_ids)
+        stop_str = detokenizer.update(new_token_ids, stop_terminated)
         # A stop string drops the tokens after the one completing it.
-        num_new_tokens = (len(engine_core_output.new_token_ids) if stop_str is None
+        num_new_tokens = (len(new_token_ids) if stop_str is None
                           else detokenizer.num_output_tokens - num_tokens_before)
 
         finish_reason, stop_reason = engine_core_output.finish_reason, engine_core_output.stop_reason
@@ -231,7 +243,7 @@ class OutputProcessor:
         delta = parent.output_kind == "delta"
         text = detokenizer.get_next_output_text(finished, delta)
         if delta:
-            token_ids = list(engine_core_output.new_token_ids[:num_new_tokens])
+            token_ids = list(new_token_ids[:num_new_tokens])
             logprobs = new_logprobs
         else:
             token_ids = detokenizer.output_token_ids
