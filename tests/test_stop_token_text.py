@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from raylm import LLM, SamplingParams
 from raylm.cluster.core.engine_core_output import EngineCoreOutput
 from raylm.cluster.engine.output_processor import OutputProcessor
+from raylm.cluster.engine.outputs import RequestOutput
 from tests.http_server import served_engine
 
 PROMPT = "hello world"
@@ -67,9 +68,10 @@ def test_a_stop_on_a_content_token_keeps_its_text(llama_path: Path) -> None:
     for request_id, last in (("content", ids[-1]), ("eos", tokenizer.eos_token_id)):
         processor.add_request(request_id, PROMPT, [5], params, output_kind="delta")
         steps = [EngineCoreOutput(request_id, ids[:-1]), EngineCoreOutput(request_id, [last], "stop")]
-        outputs = [out for step in steps for out in processor.process_outputs([step]).request_outputs]
-        texts[request_id] = "".join(out.outputs[0].text for out in outputs)  # type: ignore[union-attr]
-        assert outputs[-1].outputs[0].token_ids == [last]  # type: ignore[union-attr]
+        outputs = [out for step in steps for out in processor.process_outputs([step]).request_outputs
+                   if isinstance(out, RequestOutput)]
+        texts[request_id] = "".join(out.outputs[0].text for out in outputs)
+        assert outputs[-1].outputs[0].token_ids == [last]
     assert texts == {"content": tokenizer.decode(ids), "eos": tokenizer.decode(ids[:-1])}
 
 
