@@ -3,6 +3,7 @@ client under test (s3fs) talks to it over HTTP through the usual AWS_* environme
 from __future__ import annotations
 
 import shutil
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ def s3_fixture() -> Iterator[S3]:
     server = RecordingMotoServer()
     server.start()
     host, port = server.get_host_and_port()
+    # moto keeps its buckets in the process, not in the server: a module after another starts from none.
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
     with pytest.MonkeyPatch.context() as env:
         # The usual environment, as s3fs (botocore) reads it, and nothing from this machine's own AWS set-up.
         for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
