@@ -1,5 +1,5 @@
-"""Tiny checkpoints for the rope-scaling tests: weights drawn wide enough for the rotary frequencies to decide greedy
-tokens, and copies with a changed config.json."""
+"""Tiny checkpoints for the rope-scaling and sliding-window tests: weights drawn wide enough for the rotary frequencies
+(or a window, or a soft-cap) to decide greedy tokens, and copies with a changed config.json."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 
 def widen_weights(path: Path, seed: int = 0) -> None:
-    """Re-draw the weights wider than the default init (norms around 1), so that attention is sharp enough for the
-    rotary frequencies to show in the greedy tokens."""
+    """Re-draw the weights wider than the default init (norms around 1; Gemma's, which scale by 1 + weight, around 2),
+    so that attention is sharp enough for the rotary frequencies, a window or a cap to show in the greedy tokens."""
     torch.manual_seed(seed)
     weights = {name: torch.empty_like(w).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(w) * 0.1
                for name, w in load_file(path / "model.safetensors").items()}

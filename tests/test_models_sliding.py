@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
@@ -26,6 +24,7 @@ from raylm.runner.models.cpu_layer_stack import why_not_stacked
 from raylm.runner.models.loader import load_model
 from tests.http_server import served_engine
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
+from tests.rope_checkpoints import widen_weights
 from tests.runner_steps import model_parallel_of_one
 
 MAX_TOKENS = 8
@@ -49,15 +48,6 @@ KINDS = [*ARCHS, "gemma2_uncapped"]  # the last: Gemma 2's weights with neither 
 def prompts() -> list[list[int]]:
     rng = random.Random(7)
     return [[rng.randrange(5, 500) for _ in range(n)] for n in PROMPT_LENGTHS]
-
-
-def widen_weights(path: Path, seed: int = 0) -> None:
-    """Re-draw the weights wider than the default init, so that attention is sharp enough for the window and the caps
-    to show in the greedy tokens (Gemma's norms scale by 1 + weight: around 2 here)."""
-    torch.manual_seed(seed)
-    weights = {name: torch.empty_like(w).uniform_(0.5, 1.5) if "norm" in name else torch.randn_like(w) * 0.1
-               for name, w in load_file(path / "model.safetensors").items()}
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
 
 
 def with_config(source: Path, out: Path, **changes: Any) -> Path:
