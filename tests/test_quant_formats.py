@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.configs.model_info import read_model_info
+from raylm.runner.layers import cpu_gemm
+from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, GemmPlan
 from raylm.runner.layers.quantization.checkpoint_formats import CheckpointQuantMethod
 from raylm.runner.models.loader import load_model
 from tests.quant_format_checkpoints import (
@@ -96,6 +98,18 @@ def test_format_matches_transformers(formats: dict[str, Path], name: str) -> Non
     assert check_logprobs_close(expected, ours, name) <= 1
     tolerance = TOLERANCE.get(name, TOLERANCE.get(name.split("-")[0], 1e-3))
     assert max_logprob_difference(expected, ours) < tolerance
+
+
+@pytest.mark.parametrize("name", ["gptq-desc_act-asym", "w8a8-int"])
+def test_input_changing_formats_under_the_skinny_plan(formats: dict[str, Path], name: str,
+                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every linear planned to the skinny kernel (what a timed plan may pick), which would let the CPU layer stack
+    run these layers: it must leave them to their quant method, which permutes (act order) or quantizes (W8A8) x."""
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
+    plan = GemmPlan(tuple("skinny" for _ in ROW_BUCKETS))
+    monkeypatch.setattr(cpu_gemm, "time_kernels", lambda layers: (plan, {}))
+    ours = run(formats[name])
+    assert check_logprobs_close(reference(name, formats[name]), ours, name) <= 1
 
 
 @pytest.mark.usefixtures("model_parallel_of_one")

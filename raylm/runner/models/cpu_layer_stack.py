@@ -5,8 +5,8 @@ The call runs the kernels LlamaDecoderLayer.forward runs, in the same order on t
 the model's dtype: the kernels take both), so its output is bit-identical; what it saves is the Python between them
 (module calls, views, argument checks: ~100 µs a layer, ~4 ms of a 30-layer decode step of SmolLM2 on a 2-core EPYC).
 It is the CPU's counterpart of replaying a CUDA graph, and `enforce_eager` turns it off the same way. Layers it cannot
-run as written (Qwen3's q/k norm, MoE, LoRA, tensor parallelism, a KV connector's per-layer hooks) keep the
-module-by-module path.
+run as written (Qwen3's q/k norm, MoE, LoRA, a permuted or quantized linear input, tensor parallelism, a KV
+connector's per-layer hooks) keep the module-by-module path.
 """
 from __future__ import annotations
 
@@ -100,6 +100,9 @@ def why_not_stacked(model: nn.Module) -> str | None:
             return "its rotary embedding is not the neox kind"
         if any(linear.skinny_weight is None or linear.lora is not None for linear in linears_of(layer)):
             return "its linears are not planned to the skinny kernel, or carry LoRA"
+        if any(linear.quant_method.changes_input(linear) for linear in linears_of(layer)):
+            return "a quantized linear permutes or quantizes its input (GPTQ act-order, W8A8), which the fused " \
+                   "layers do not do"
         if any(linear.gemm_weight().dtype != layer.input_layernorm.weight.dtype for linear in linears_of(layer)):
             return "its linears' weights (a quantized layer's float copy) are not in the activations' dtype"
         if {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon} != {

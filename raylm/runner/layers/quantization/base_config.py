@@ -37,6 +37,11 @@ class QuantizeMethodBase(ABC):
     def kernel_name(self, layer: nn.Module) -> str:
         return type(self).__name__
 
+    def changes_input(self, layer: nn.Module) -> bool:
+        """Whether `apply` reworks x before its GEMM (an input permutation, quantized activations): a fused kernel
+        that reads only the layer's weights would skip that, so it must leave such a layer to `apply`."""
+        return False
+
 
 class QuantizationConfig(ABC):
     """The `quantization` setting of one model: which method each layer gets."""

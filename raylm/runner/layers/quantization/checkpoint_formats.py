@@ -73,6 +73,9 @@ class CheckpointQuantMethod(BlockQuantMethod):
     def kernel_name(self, layer: Any) -> str:
         return f"{super().kernel_name(layer)} ({self.quant.method})"
 
+    def changes_input(self, layer: Any) -> bool:
+        return getattr(layer, "input_perm", None) is not None or self.quant.activations is not None
+
 
 def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
