@@ -9,7 +9,7 @@ tokens through the all_to_all, and the slices are all-gathered over TP afterward
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +25,9 @@ from raylm.runner.parallel_state import get_ep_group, get_tp_group
 
 if TYPE_CHECKING:
     from raylm.runner.layers.quantization.ggml_blocks import QuantizedTensor
+
+# [T, E] router logits -> (topk_weights [T, k] float32, topk_ids [T, k]): a model's own routing (DeepSeek's groups).
+Routing = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # An expert's checkpoint weight: per expert (`.experts.3.w1.weight`), or all experts fused in one tensor
 # (`.experts.gate_up_proj` [E, 2I, H], `.experts.down_proj` [E, H, I]: transformers 5's layout in memory, written
@@ -99,7 +102,7 @@ class FusedMoE(nn.Module):
     on every TP rank."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool = True, hidden_act: str = "silu") -> None:
+                 renormalize: bool = True, hidden_act: str = "silu", routing: Routing | None = None) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act: {hidden_act!r} is unsupported for experts; only 'silu' is supported")
@@ -107,6 +110,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok: {top_k} must be between 1 and the number of experts "
                              f"({num_experts})")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.routing: Routing = routing or (lambda logits: select_experts(logits, top_k, renormalize))
         self.hidden_size = hidden_size
         self.tp_group, ep_group = get_tp_group(), get_ep_group()
         self.use_ep = ep_group.world_size > 1
@@ -166,7 +170,7 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.use_ep:
             return self._forward_expert_parallel(hidden_states, router_logits)
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = self.routing(router_logits)
         pair_rows = torch.arange(topk_ids.numel(), device=topk_ids.device) // self.top_k
         out = grouped_expert_mlp(hidden_states, topk_ids.flatten(), self.w13_weight, self.w2_weight, self.act_fn,
                                  pair_rows)
@@ -178,7 +182,7 @@ class FusedMoE(nn.Module):
         sizes = token_slices(hidden_states.shape[0], self.tp_group.world_size)
         start = sum(sizes[:self.tp_group.rank_in_group])
         end = start + sizes[self.tp_group.rank_in_group]
-        topk_weights, topk_ids = select_experts(router_logits[start:end], self.top_k, self.renormalize)
+        topk_weights, topk_ids = self.routing(router_logits[start:end])
         capacity = dispatch_capacity(hidden_states.shape[0], self.tp_group.world_size)
         if capacity is None:
             rows, expert_ids, handle = self.all2all.dispatch(hidden_states[start:end], topk_ids, topk_weights)
