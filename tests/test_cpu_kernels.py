@@ -195,6 +195,36 @@ def test_cpu_backend_window_and_cap_match_torch_backend(query_lens: list[int], s
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (5, None), (17, 0.5)])
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [([1, 7, 1, 5, 1], [9, 7, 40, 37, 1]), ([20, 3], [70, 5])])
+def test_cpu_backend_sinks_match_torch_backend(query_lens: list[int], seq_lens: list[int], window: int | None,
+                                               cap: float | None, kernel_build: None) -> None:
+    """GPT-OSS's attention sinks (a logit per query head in each softmax's denominator), alone and with a window or
+    a cap, on decodes, chunks and a prompt: some sinks far above the scores (a row's weights nearly vanish), some far
+    below (nearly no effect)."""
+    num_heads, kv_heads, head_size = 8, 2, 64
+    generator = torch.Generator().manual_seed(2)
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    block_tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
+    common, _ = make_common_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
+    logical = torch.randn(TorchAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_size),
+                          generator=generator)
+    cpu_cache = _logical_to_cpu_layout(logical)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_size, generator=generator)
+    key, value = (torch.randn(num_tokens, kv_heads, head_size, generator=generator) for _ in range(2))
+    sinks = torch.tensor([-20.0, -1.0, 0.0, 0.5, 1.0, 2.0, 4.0, 20.0])
+    torch_backend, cpu_backend = TorchAttentionBackend(), CPUAttentionBackend()
+    expected = torch_backend.forward(query, key, value, logical, torch_backend.build(common), 0.3,
+                                     sliding_window=window, logits_soft_cap=cap, sinks=sinks)
+    got = cpu_backend.forward(query, key, value, cpu_cache, cpu_backend.build(common), 0.3, sliding_window=window,
+                              logits_soft_cap=cap, sinks=sinks)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    without = torch_backend.forward(query, key, value, logical, torch_backend.build(common), 0.3,
+                                    sliding_window=window, logits_soft_cap=cap)
+    assert not torch.allclose(expected, without, atol=1e-3)  # the sinks change every row's weights
+
+
 def test_backend_choice_and_errors() -> None:
     assert choose_attn_backend("auto", "cpu", torch.float32, 16) == CPUAttentionBackend.name
     assert choose_attn_backend("auto", "cpu", torch.float32, 8) == TorchAttentionBackend.name

@@ -9,9 +9,10 @@ per layer, and nothing in `build()` or `forward()` reads a device value back to 
 Inside a CUDA graph (`build_decode_graph`) a decode attends through `torch_paged_decode.packed_paged_decode`: the
 blocks in use, packed to a fixed capacity, not batch x max_model_len keys.
 
-A layer may pass a sliding window (a query sees its last `sliding_window` positions, itself included) and a logit
-soft-cap (scores become cap * tanh(scores / cap) before the softmax, which SDPA cannot do: those layers score in
-float32 by hand). The window's mask is built per group once per step, for the first layer that asks.
+A layer may pass a sliding window (a query sees its last `sliding_window` positions, itself included), a logit
+soft-cap (scores become cap * tanh(scores / cap) before the softmax) and attention sinks (GPT-OSS: a learned logit per
+query head joins each softmax's denominator). SDPA has neither of the last two: those layers score in float32 by hand.
+The window's mask is built per group once per step, for the first layer that asks.
 """
 from __future__ import annotations
 
@@ -200,10 +201,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                logits_soft_cap: float | None = None) -> torch.Tensor:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(metadata, DecodeGraphMetadata):
             return self._forward_decode_graph(query, key, value, kv_cache, metadata, scale, sliding_window,
-                                              logits_soft_cap)
+                                              logits_soft_cap, sinks)
         assert isinstance(metadata, TorchAttentionMetadata)
         block_size = kv_cache.shape[2]
         if metadata.block_size is None:
@@ -228,10 +229,12 @@ class TorchAttentionBackend(AttentionBackend):
             if group.is_decode:
                 # The query heads sharing a KV head become rows of one [G, D] query: K/V are read once per KV head.
                 q = query[group.out_index].unflatten(1, (k.shape[1], -1))  # [B, KV, G, D]
-                o = attend(q, k, v, mask, False, scale, logits_soft_cap).flatten(1)
+                row_sinks = None if sinks is None else sinks.view(1, k.shape[1], -1, 1)  # a sink per [KV, G] row
+                o = attend(q, k, v, mask, False, scale, logits_soft_cap, row_sinks).flatten(1)
             else:
                 q = query[group.query_index].transpose(1, 2)  # [B, H, Q, D]
-                o = attend(q, k, v, mask, is_causal, scale, logits_soft_cap)
+                o = attend(q, k, v, mask, is_causal, scale, logits_soft_cap,
+                           None if sinks is None else sinks.view(1, -1, 1, 1))
                 o = o.transpose(1, 2).reshape(-1, num_heads * head_size)
             output.index_copy_(0, group.out_index, o if group.out_rows is None else o[group.out_rows])
         return output
@@ -239,7 +242,7 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _forward_decode_graph(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                               metadata: DecodeGraphMetadata, scale: float, sliding_window: int | None,
-                              logits_soft_cap: float | None) -> torch.Tensor:
+                              logits_soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """No host read and no data-dependent shape: the new K/V go in through an index_copy (padding to the scratch
         slot), then each request attends over its blocks, packed to the capacity of this batch size."""
         buffers = metadata.buffers
@@ -250,15 +253,16 @@ class TorchAttentionBackend(AttentionBackend):
         num_reqs, max_blocks = buffers.block_table.shape
         capacity = decode_capacity(num_reqs, max_blocks, key_cache.shape[0])
         return packed_paged_decode(query, key_cache, value_cache, buffers.block_table, buffers.seq_lens, scale,
-                                   capacity, sliding_window, logits_soft_cap)
+                                   capacity, sliding_window, logits_soft_cap, sinks)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, scale: float,
-           logits_soft_cap: float | None = None) -> torch.Tensor:
+           logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Q, D], k/v [B, KV, S, D] (H a multiple of KV), mask broadcastable to [B, H, Q, S] (True: attend) ->
-    [B, H, Q, D]. SDPA, unless the scores are soft-capped: then in float32 by hand, as transformers' eager attention
-    (the cap applies to the scaled scores, before the mask), SCORE_CHUNK query rows' scores at a time at most."""
-    if logits_soft_cap is None:
+    [B, H, Q, D]. SDPA, unless the scores are soft-capped or have sinks (broadcastable to [B, H, Q, 1]): then in
+    float32 by hand, as transformers' eager attention (the cap applies to the scaled scores, before the mask; a sink
+    is one more logit in the softmax, whose weight is dropped), SCORE_CHUNK query rows' scores at a time at most."""
+    if logits_soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=True)
     group = q.shape[1] // k.shape[1]
@@ -267,11 +271,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     outputs = []
     for start in range(0, q.shape[2], rows):
         chunk = q[:, :, start:start + rows].float()
-        scores = torch.matmul(chunk, k.transpose(-1, -2)).mul_(scale / logits_soft_cap).tanh_().mul_(logits_soft_cap)
+        scores = torch.matmul(chunk, k.transpose(-1, -2))
+        if logits_soft_cap is None:
+            scores.mul_(scale)
+        else:
+            scores.mul_(scale / logits_soft_cap).tanh_().mul_(logits_soft_cap)
         if is_causal:  # a fresh prompt's own keys (Q == S): row i sees keys 0..i
             row = torch.arange(start, start + chunk.shape[2], device=q.device)
             scores.masked_fill_(torch.arange(k.shape[2], device=q.device) > row[:, None], float("-inf"))
         elif mask is not None:
             scores.masked_fill_(~mask[..., start:start + rows, :] if mask.shape[-2] > 1 else ~mask, float("-inf"))
-        outputs.append(torch.matmul(scores.softmax(dim=-1), v))
+        if sinks is None:
+            outputs.append(torch.matmul(scores.softmax(dim=-1), v))
+            continue
+        row_sinks = sinks[..., start:start + rows, :] if sinks.shape[-2] > 1 else sinks
+        logits = torch.cat([scores, row_sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+        outputs.append(torch.matmul(logits.softmax(dim=-1)[..., :-1], v))
     return torch.cat(outputs, dim=2).to(q.dtype)

@@ -36,10 +36,12 @@ def blocks_attended(seq_lens: torch.Tensor, block_size: int) -> int:
 
 def packed_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, capacity: int,
-                        sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, H, D]; key/value_cache [num_blocks, block_size, KV, D]; block_table [B, W]; seq_lens [B] ->
     [B, H * D]. A seq_len of 0 (a stale padding row) attends to its first key, so every output is finite. With a
-    sliding window a query sees its last `sliding_window` keys; a soft-cap maps scores to cap * tanh(score / cap)."""
+    sliding window a query sees its last `sliding_window` keys; a soft-cap maps scores to cap * tanh(score / cap);
+    sinks [H], one logit per head, join each request's max and its softmax's denominator."""
     num_reqs, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     device = query.device
@@ -64,10 +66,16 @@ def packed_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
     block_max = scores.amax(dim=-1)  # [P, KV, G]
     request_max = block_max.new_full((num_reqs, *block_max.shape[1:]), float("-inf"))
+    head_sinks = None if sinks is None else sinks.float().view(num_kv_heads, -1)  # [KV, G]
+    if head_sinks is not None:
+        request_max = torch.maximum(request_max, head_sinks)
     request_max.scatter_reduce_(0, owner[:, None, None].expand_as(block_max), block_max, "amax")
     weights = (scores - request_max[owner][..., None]).exp_()  # 0 at masked keys
     numerators = torch.einsum("pkgs,pskd->pkgd", weights, value_cache.index_select(0, blocks).float())
-    out = _segment_sums(numerators, ends) / _segment_sums(weights.sum(dim=-1), ends)[..., None]
+    denominators = _segment_sums(weights.sum(dim=-1), ends)
+    if head_sinks is not None:
+        denominators = denominators + (head_sinks - request_max).exp()
+    out = _segment_sums(numerators, ends) / denominators[..., None]
     return out.to(query.dtype).reshape(num_reqs, num_heads * head_size)
 
 

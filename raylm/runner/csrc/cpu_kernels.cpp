@@ -22,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("paged_attention", &raylm::paged_attention, kNoGil, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("query_start_loc"),
-        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0);
+        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("add_lora", &raylm::add_lora, kNoGil);
   m.def("pack_skinny", &raylm::pack_skinny, kNoGil);
   m.def("skinny_linear", &raylm::skinny_linear, kNoGil);

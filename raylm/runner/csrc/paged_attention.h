@@ -1,7 +1,8 @@
 // Paged causal GQA attention over the KV cache that kv_cache_write.h fills: float32 or bfloat16 queries, cache and
 // output, float32 scores, softmax and sums (a bfloat16 key or value row widens to float32 as it is loaded). A layer may
 // have a sliding window (a query sees its last `sliding_window` positions, itself included; tiles before every row's
-// window are never read) and a logit soft-cap (scores become cap * tanh(scores / cap) before the softmax).
+// window are never read), a logit soft-cap (scores become cap * tanh(scores / cap) before the softmax) and attention
+// sinks (GPT-OSS: a learned logit per query head that joins each softmax's denominator, weighting no value).
 #pragma once
 
 #include "attention_tiles.h"
@@ -18,8 +19,9 @@ inline lanes_t vtanh(lanes_t x) {
 }
 
 // scores[first:n) = exp(scores - their max) in place, zero before `first` and from n up to `stride` (a multiple of
-// kTile); returns their sum. With a soft-cap the scores are capped first.
-inline float softmax_row(float* scores, int64_t first, int64_t n, int64_t stride, float soft_cap) {
+// kTile); returns their sum. With a soft-cap the scores are capped first. A finite `sink` joins the max and the sum
+// (exp(sink - max)), so the row's weights sum to less than one; -INFINITY adds nothing.
+inline float softmax_row(float* scores, int64_t first, int64_t n, int64_t stride, float soft_cap, float sink) {
   const int64_t last = (n - 1) / kTile * kTile;  // the vector holding the row's last key
   const int64_t first_vector = first / kTile * kTile;
   auto visible = [&](int64_t i) {  // lanes of the vector at i that hold keys in [first, n)
@@ -34,7 +36,7 @@ inline float softmax_row(float* scores, int64_t first, int64_t n, int64_t stride
     const lanes_t s = load_lanes(scores + i);
     max = vmax(max, i == first_vector || i == last ? (visible(i) ? s : broadcast(-INFINITY)) : s);
   }
-  const float row_max = hmax(max);
+  const float row_max = std::max(hmax(max), sink);
   lanes_t sum = {};
   for (int64_t i = first_vector; i <= last; i += kTile) {
     lanes_t e = vexp(load_lanes(scores + i) - row_max);
@@ -44,7 +46,7 @@ inline float softmax_row(float* scores, int64_t first, int64_t n, int64_t stride
   }
   std::fill(scores, scores + first_vector, 0.0f);
   std::fill(scores + last + kTile, scores + stride, 0.0f);
-  return hsum(sum);
+  return hsum(sum) + std::exp(sink - row_max);
 }
 
 // One task's rows over their causal keys: row r (query token r / group of the task, one of its KV head's group
@@ -52,10 +54,10 @@ inline float softmax_row(float* scores, int64_t first, int64_t n, int64_t stride
 // scores first (a row block shares each key tile), then one softmax per row over whole vectors, then the values,
 // weighted, from the same tiles. Unlike an online softmax, no running max, sum and rescale per tile, which cost more
 // than the dot products when a task has a handful of rows (a decode's G heads). Writes each row's normalized output
-// to out_rows[r].
+// to out_rows[r]. `sinks` (null: none) holds the sink logit of each of the task's G query heads.
 template <typename T>
 void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_t first_pos, int64_t window,
-                 float soft_cap, const KvTiles<T>& tiles, std::vector<float>& scores, float* acc, T* const* out_rows) {
+                 float soft_cap, const float* sinks, const KvTiles<T>& tiles, std::vector<float>& scores, float* acc, T* const* out_rows) {
   const int64_t head_size = tiles.head_size, block_size = tiles.block_size;
   const int64_t num_keys = first_pos + (rows - 1) / group + 1;  // keys the last row sees
   auto first_key = [&](int64_t row) {  // the first key row `row` sees
@@ -91,7 +93,7 @@ void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_t first
     for (int64_t r = 0; r < block_rows; ++r) {
       const int64_t row = row0 + r;
       sums[r] = softmax_row(scores.data() + row * stride, first_key(row) - key0, first_pos + row / group + 1 - key0,
-                            block_stride, soft_cap);
+                            block_stride, soft_cap, sinks != nullptr ? sinks[row % group] : -INFINITY);
     }
     const float* p = scores.data() + row0 * stride;
     with_rows<kRowBlock>(block_rows, [&](auto r) {
@@ -114,7 +116,7 @@ void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_t first
 inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
                             torch::Tensor query_start_loc, double scale, int64_t sliding_window = 0,
-                            double soft_cap = 0.0) {
+                            double soft_cap = 0.0, const c10::optional<torch::Tensor>& sinks = c10::nullopt) {
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "query heads must be contiguous per token");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out heads must be contiguous per token");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
@@ -128,6 +130,10 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   TORCH_CHECK(block_size % kTile == 0, "block_size must be a multiple of ", kTile);
   TORCH_CHECK(sliding_window >= 0 && soft_cap >= 0.0, "sliding_window and soft_cap must be >= 0 (0: none)");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() &&
+                         sinks->numel() == num_heads),
+              "sinks must be a contiguous float32 tensor of one logit per query head");
+  const float* sink_base = sinks ? sinks->data_ptr<float>() : nullptr;
   const int64_t group = num_heads / num_kv_heads, q_stride = query.stride(0), out_stride = out.stride(0);
   const int64_t bt_stride = block_table.stride(0);
   // Query tokens per task: long prompts split across threads, and fewer tokens where a task's scores (tokens x
@@ -188,9 +194,11 @@ inline void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
           for (int64_t d = 0; d < head_size; ++d) dst[d] = to_float(src[d]) * fscale;
           out_rows[row] = o_base + token * out_stride + head * head_size;
         }
+        const float* task_sinks = sink_base != nullptr ? sink_base + kv_head * group : nullptr;
         attend_rows(q_rows.data(), rows, group, c.first_pos, sliding_window, static_cast<float>(soft_cap),
-                    KvTiles<T>{kc, vc, table + c.req * bt_stride, kv_head, num_kv_heads, head_size, block_size}, scores,
-                    acc.data(), out_rows.data());
+                    task_sinks, KvTiles<T>{kc, vc, table + c.req * bt_stride, kv_head, num_kv_heads, head_size,
+                                           block_size},
+                    scores, acc.data(), out_rows.data());
       }
     });
   });

@@ -28,26 +28,30 @@ class Attention(nn.Module):
         self.layer_name = kv_layer_name(layer_idx)  # what a KV connector calls this layer's cache
         self.kv_cache = torch.empty(0)  # [2, num_blocks, block_size, num_kv_heads, head_size] once bound
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query [T, num_heads*head_size], key/value [T, num_kv_heads*head_size] -> [T, num_heads*head_size]."""
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """query [T, num_heads*head_size], key/value [T, num_kv_heads*head_size] -> [T, num_heads*head_size].
+        `sinks` [num_heads]: GPT-OSS's per-head logit in each softmax's denominator (a weight its model owns)."""
         q = query.unflatten(-1, (self.num_heads, self.head_size))
         k = key.unflatten(-1, (self.num_kv_heads, self.head_size))
         v = value.unflatten(-1, (self.num_kv_heads, self.head_size))
         context = get_forward_context()
         metadata = context.attn_metadata
         if metadata is None:
-            return self._forward_without_cache(q, k, v)
+            return self._forward_without_cache(q, k, v, sinks)
         assert isinstance(metadata, AttentionMetadata)
         assert self.kv_cache.numel() > 0, f"layer {self.layer_idx} has no KV cache bound"
+        features = self.features if sinks is None else {**self.features, "sinks": sinks}
         connector = context.kv_connector
         if connector is None:
-            return metadata.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, **self.features)
+            return metadata.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, **features)
         connector.wait_for_layer_load(self.layer_name)
-        output = metadata.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, **self.features)
+        output = metadata.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, **features)
         connector.save_kv_layer(self.layer_name, self.kv_cache, metadata)
         return output
 
-    def _forward_without_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _forward_without_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               sinks: torch.Tensor | None) -> torch.Tensor:
         """Dummy and profile runs: the whole batch as one causal sequence, the cache untouched (a soft-capped layer
         scores by hand here too, so that the profile sees its memory)."""
         mask = None
@@ -55,7 +59,8 @@ class Attention(nn.Module):
             pos = torch.arange(q.shape[0], device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.sliding_window)
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, T, D]
-        out = attend(q, k, v, mask, mask is None, self.scale, self.logits_soft_cap)
+        out = attend(q, k, v, mask, mask is None, self.scale, self.logits_soft_cap,
+                     None if sinks is None else sinks.view(1, -1, 1, 1))
         return out[0].transpose(0, 1).flatten(1)
 
     def extra_repr(self) -> str:
