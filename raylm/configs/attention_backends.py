@@ -2,7 +2,8 @@
 each runs, in which dtypes, with which block sizes, and which decode batches its attention can run inside a captured
 CUDA graph. runner/attention/ holds the backends themselves; tests/test_resolve.py checks that the two agree.
 Whether a backend's kernels import or build here is an EnvironmentFacts input (missing_kernels); what the model's
-attention needs (sliding windows, logit soft-capping) is read from its config here too (attention_features)."""
+attention needs (sliding windows, logit soft-capping, attention sinks) is read from its config here too
+(attention_features)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ class AttentionBackendSpec:
 
 
 # What a model's attention may need beyond causal attention, as the reasons name them.
-FEATURES = {"sliding_window": "sliding window", "logits_soft_cap": "logit soft-capping"}
+FEATURES = {"sliding_window": "sliding window", "logits_soft_cap": "logit soft-capping", "sinks": "attention sinks"}
+# Architectures whose every attention layer has sinks: a learned logit per head in each softmax's denominator.
+_HAS_SINKS = ("GptOssForCausalLM",)
 # Gemma 3's config keeps attn_logit_softcapping, but its attention (transformers', vLLM's) does not apply it.
 _IGNORES_ATTN_SOFTCAP = ("Gemma3ForCausalLM",)
 
@@ -79,6 +82,8 @@ def attention_features(hf_config: PretrainedConfig | None) -> frozenset[str]:
     needed = {"sliding_window"} if any(w is not None for w in layer_sliding_windows(hf_config)) else set()
     if attention_logits_soft_cap(hf_config) is not None:
         needed.add("logits_soft_cap")
+    if (getattr(hf_config, "architectures", None) or [None])[0] in _HAS_SINKS:
+        needed.add("sinks")
     return frozenset(needed)
 
 

@@ -55,7 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                logits_soft_cap: float | None = None) -> torch.Tensor:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         assert isinstance(metadata, TritonAttentionMetadata)
         num_tokens, num_heads, head_size = query.shape
         num_kv_heads, block_size = key.shape[1], kv_cache.shape[2]
@@ -85,12 +85,12 @@ class TritonAttentionBackend(AttentionBackend):
         num_q_blocks = n // block_q + metadata.num_reqs
         triton_kernels.paged_attention[(num_q_blocks, num_kv_heads)](
             output, query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
-            metadata.query_start_loc, scale, metadata.num_reqs,
+            metadata.query_start_loc, query if sinks is None else sinks, scale, metadata.num_reqs,
             output.stride(0), query.stride(0), query.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), metadata.block_table.stride(0),
             block_size, head_size, sliding_window or 0, logits_soft_cap or 1.0,
             QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=TILE_N, HEAD_P2=head_p2,
             # float32 stays float32 (no TF32); None: the default of 16-bit inputs
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-            SLIDING=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None)
+            SLIDING=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None)
         return output

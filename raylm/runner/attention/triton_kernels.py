@@ -56,16 +56,17 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 
 @triton.jit
 def paged_attention(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr,
-                    query_start_loc_ptr, scale, num_reqs,
+                    query_start_loc_ptr, sinks_ptr, scale, num_reqs,
                     stride_ot, stride_qt, stride_qh,
                     stride_cb, stride_cs, stride_ch, stride_bt,
                     block_size, head_size, sliding_window, soft_cap,
                     QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                     TILE_N: tl.constexpr, HEAD_P2: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr):
+                    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, SINKS: tl.constexpr):
     """Causal attention of BLOCK_Q query tokens (all QUERIES_PER_KV heads of KV head program_id(1)) over keys
     0..context+i of their request (SLIDING: only the last `sliding_window` of them; SOFT_CAP: scores mapped to
-    soft_cap * tanh(score / soft_cap)), TILE_N keys at a time, with an online softmax in float32."""
+    soft_cap * tanh(score / soft_cap); SINKS: each head's logit at sinks_ptr joins its softmax's denominator),
+    TILE_N keys at a time, with an online softmax in float32."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
@@ -88,8 +89,12 @@ def paged_attention(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_ta
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     key_limit = context_len + q_index  # each row's last visible key position (causal)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:  # the online softmax starts from the sink: its max, and its exp(0) = 1 in the sum
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_P2], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 instead of exp: log2(e)
     num_keys = tl.minimum(context_len + first + BLOCK_Q, seq_len)
