@@ -72,7 +72,8 @@ def read_model_info(model_path: str) -> ModelInfo:
         max_position_embeddings=int(text_config.get("max_position_embeddings", 2048)),
         checkpoint_dtype=checkpoint_dtype if checkpoint_dtype in _DTYPES else None,
         eos_token_ids=_eos_token_ids(path, hf),
-        num_experts=int(text_config.get("num_experts") or text_config.get("num_local_experts") or 0),
+        num_experts=int(text_config.get("num_experts") or text_config.get("num_local_experts")
+                        or text_config.get("n_routed_experts") or 0),  # Qwen3-MoE, Mixtral, DeepSeek
         hf_config=hf_config,
         checkpoint=checkpoint_identity(str(path)),
     )

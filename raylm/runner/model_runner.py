@@ -42,6 +42,7 @@ from raylm.runner.kv_transfer.model_runner_hooks import (
     kv_connector_step,
 )
 from raylm.runner.layers.attention import Attention
+from raylm.runner.layers.mla_attention import kv_cache_shape
 from raylm.runner.lora.worker_manager import LoRAManager
 from raylm.runner.models.cpu_layer_stack import stack_layers
 from raylm.runner.models.llama import LlamaForCausalLM
@@ -155,7 +156,7 @@ class ModelRunner:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         total = 0
         for layer in self.kv_cache_layers():
-            shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
+            shape = kv_cache_shape(layer, self.attn_backend, 1, self.block_size)
             total += int(np.prod(shape)) * element_size
         return total
 
@@ -167,8 +168,7 @@ class ModelRunner:
         self.graphs.scratch_slot = num_blocks * self.block_size if extra else -1
         self.kv_caches = []
         for layer in self.kv_cache_layers():
-            shape = self.attn_backend.get_kv_cache_shape(num_blocks + extra, self.block_size, layer.num_kv_heads,
-                                                         layer.head_size)
+            shape = kv_cache_shape(layer, self.attn_backend, num_blocks + extra, self.block_size)
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
         self.kv_connector = create_worker_connector(

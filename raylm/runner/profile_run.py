@@ -18,6 +18,7 @@ from raylm.common.outputs import IntermediateTensors
 from raylm.runner.attention.backend import AttentionBackend
 from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.input_buffers import InputBuffers
+from raylm.runner.layers.mla_attention import kv_cache_shape
 from raylm.runner.sampler import Sampler
 from raylm.runner.sampling_metadata import SamplingMetadata
 
@@ -50,8 +51,7 @@ class ProfileRun:
         common = buffers.prepare_profile(buffers.max_num_tokens, self.max_model_len)
         scratch: dict[tuple[int, ...], torch.Tensor] = {}
         for layer in layers:  # layers alike share one scratch: the profile reads zeros and writes nothing
-            shape = self.attn_backend.get_kv_cache_shape(buffers.max_blocks_per_req, buffers.block_size,
-                                                         layer.num_kv_heads, layer.head_size)
+            shape = kv_cache_shape(layer, self.attn_backend, buffers.max_blocks_per_req, buffers.block_size)
             layer.kv_cache = scratch.setdefault(shape, torch.zeros(shape, dtype=self.dtype, device=buffers.device))
         try:
             hidden = forward(common.num_actual_tokens, common.num_reqs, False, common, None)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from raylm.runner.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from raylm.runner.models.gemma2 import Gemma2ForCausalLM
 from raylm.runner.models.gemma3 import Gemma3ForCausalLM
 from raylm.runner.models.llama import LlamaForCausalLM
@@ -26,6 +27,8 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {  # each model is a Llama with its
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 

@@ -1,0 +1,190 @@
+"""DeepSeek-V2 / V3 (multi-head latent attention, dense-then-MoE, group-limited and bias-corrected routing, YaRN
+with DeepSeek's mscale) token-exact with transformers on tiny random checkpoints, through prefill, chunked prefill
+(a prompt longer than one KV block and the step budget) and decode steps (MLA's absorbed form); the KV cache holds
+the latent and the rope key only; TP=2 (heads split) x PP=2 and DP=2 expert parallel on Ray equal one device."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+
+from raylm.cluster import LLM, SamplingParams
+from raylm.cluster.models.tiny_tokenizer import build_tokenizer
+from raylm.runner.layers.expert_routing import DeepseekRouting
+from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
+from tests.runner_steps import make_runner, model_parallel_of_one  # noqa: F401 (fixture)
+
+MAX_TOKENS = 8
+# 40 tokens: past one 16-token block and the 32-token step budget (a chunk reads cached latents); 5: a short prompt
+# decoding beside the long one's chunks.
+PROMPT_LENGTHS = (5, 40)
+ENGINE = dict(max_model_len=128, block_size=16, enable_prefix_caching=False, max_num_batched_tokens=32)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+        "mscale_all_dim": 0.707, "rope_theta": 10000.0, "beta_fast": 32, "beta_slow": 1}
+SHAPES = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+              v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+              n_group=4, topk_group=2, routed_scaling_factor=2.5, max_position_embeddings=128, rms_norm_eps=1e-6,
+              tie_word_embeddings=False)
+# name -> (config class, the config's own fields): V2 without q-lora (q_proj), group-limited greedy routing, YaRN;
+# V3 with q-lora, sigmoid routing with the correction bias and renormalised weights, neox-style rope halves.
+KINDS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "v2": (DeepseekV2Config, dict(q_lora_rank=None, topk_method="group_limited_greedy", rope_parameters=YARN)),
+    "v3": (DeepseekV3Config, dict(q_lora_rank=24, norm_topk_prob=True, rope_interleave=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+Result = list[tuple[list[int], list[dict[int, float]]]]
+
+
+def write_checkpoint(path: Path, config_cls: Any, fields: dict[str, Any]) -> Path:
+    """transformers' own model, its weights re-drawn wide (norms around 1, the rest std 0.1, the correction bias
+    too) so that attention, the rope and the routing each decide tokens."""
+    tokenizer = build_tokenizer(512)
+    arch = "DeepseekV3ForCausalLM" if config_cls is DeepseekV3Config else "DeepseekV2ForCausalLM"
+    config = config_cls(vocab_size=len(tokenizer), architectures=[arch], **SHAPES, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name:
+                tensor.uniform_(0.5, 1.5)
+            elif tensor.is_floating_point() and "rotary" not in name:
+                tensor.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(5, 500) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def generate(llm: LLM) -> Result:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], PARAMS, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
+
+
+def run(path: Path, **settings: Any) -> Result:
+    llm = LLM(model=str(path), **{**ENGINE, **settings})
+    try:
+        return generate(llm)
+    finally:
+        llm.shutdown()
+
+
+def assert_matches(reference: Result, ours: Result, name: str, tolerance: float = 1e-3) -> None:
+    """The same greedy tokens, and every top-5 logprob both report within `tolerance` (float32 on both sides)."""
+    assert check_logprobs_close(reference, ours, name) == 0
+    for (_, ref_steps), (_, our_steps) in zip(reference, ours, strict=True):
+        for ref_top, our_top in zip(ref_steps, our_steps, strict=True):
+            for token in ref_top.keys() & our_top.keys():
+                assert abs(ref_top[token] - our_top[token]) < tolerance, f"{name}: token {token}"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    return {name: write_checkpoint(root / name, cls, fields) for name, (cls, fields) in KINDS.items()}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints: dict[str, Path]) -> dict[str, Result]:
+    return {name: hf_greedy(path, prompts(), MAX_TOKENS) for name, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def single_device(checkpoints: dict[str, Path]) -> dict[str, Result]:
+    return {name: run(path) for name, path in checkpoints.items()}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_greedy_matches_transformers(kind: str, references: dict[str, Result],
+                                     single_device: dict[str, Result]) -> None:
+    assert_matches(references[kind], single_device[kind], kind)
+
+
+def test_torch_attention_backend_matches_transformers(checkpoints: dict[str, Path],
+                                                      references: dict[str, Result]) -> None:
+    """MLA reads the torch backend's own step grouping (the cpu backend's is rebuilt into it above)."""
+    assert_matches(references["v2"], run(checkpoints["v2"], attention_backend="torch"), "v2/torch")
+
+
+def test_yarn_mscale_decides_the_tokens(checkpoints: dict[str, Path], references: dict[str, Result],
+                                        tmp_path: Path) -> None:
+    """Without mscale_all_dim (no softmax rescale, another cos/sin factor) transformers' outputs move: the parity
+    above checks raylm applies it."""
+    import json
+    import shutil
+
+    changed = tmp_path / "no_mscale"
+    shutil.copytree(checkpoints["v2"], changed)
+    config = json.loads((changed / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "mscale_all_dim": 0}
+    (changed / "config.json").write_text(json.dumps(config))
+    moved = hf_greedy(changed, prompts(), MAX_TOKENS)
+    assert any(abs(moved_top[t] - ref_top[t]) > 1e-2
+               for (_, moved_steps), (_, ref_steps) in zip(moved, references["v2"], strict=True)
+               for moved_top, ref_top in zip(moved_steps, ref_steps, strict=True) for t in moved_top.keys() & ref_top)
+    assert_matches(moved, run(changed), "v2/no mscale_all_dim")
+
+
+def test_kv_cache_holds_latent_and_rope_key(checkpoints: dict[str, Path],
+                                            model_parallel_of_one: None) -> None:  # noqa: F811
+    """Bytes per token: (kv_lora_rank + qk_rope_head_dim) x 4 (float32) x layers, not heads x (k + v) widths."""
+    runner = make_runner(checkpoints["v3"], num_blocks=8, block_size=16)
+    per_token = (SHAPES["kv_lora_rank"] + SHAPES["qk_rope_head_dim"]) * 4 * SHAPES["num_hidden_layers"]
+    assert runner.kv_cache_bytes_per_block() == 16 * per_token
+    assert [tuple(cache.shape) for cache in runner.kv_caches] == [(8, 16, 40)] * 3
+    full_heads = SHAPES["num_attention_heads"] * (16 + 8 + 16) * 4 * SHAPES["num_hidden_layers"]
+    assert per_token * 4 == full_heads  # this tiny shape: a quarter of the full-head cache
+
+
+def test_routing_against_transformers_routers() -> None:
+    """The routing functions alone: the same experts and weights as transformers' routers on random logits."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    torch.manual_seed(1)
+    hidden = torch.randn(50, 64)
+    for cls, config_cls, method in ((DeepseekV2TopkRouter, DeepseekV2Config, "group_limited_greedy"),
+                                    (DeepseekV2TopkRouter, DeepseekV2Config, "greedy"),
+                                    (DeepseekV3TopkRouter, DeepseekV3Config, "noaux_tc")):
+        config = config_cls(**{**SHAPES, "num_experts_per_tok": 3}, topk_method=method, norm_topk_prob=True)
+        router = cls(config)
+        torch.nn.init.normal_(router.weight)
+        bias = None
+        if method == "noaux_tc":
+            bias = router.e_score_correction_bias.normal_()
+        logits, weights, ids = router(hidden)
+        # transformers' V2 router never renormalises (its configs keep norm_topk_prob False); V3's does.
+        ours = DeepseekRouting(3, method, 4, 2, method == "noaux_tc", 2.5, bias)(logits)
+        order, our_order = ids.argsort(dim=-1), ours[1].argsort(dim=-1)
+        assert torch.equal(ids.gather(1, order), ours[1].gather(1, our_order)), method
+        torch.testing.assert_close(weights.gather(1, order), ours[0].gather(1, our_order))
+
+
+def test_unknown_topk_method_is_refused() -> None:
+    with pytest.raises(ValueError, match="topk_method: 'sqrtsoftplus' is not supported"):
+        DeepseekRouting(2, "sqrtsoftplus", 1, 1, False, 1.0)
+
+
+def test_tp2_pp2_on_ray_matches_single_device(ray_cluster: Any, checkpoints: dict[str, Path],
+                                             single_device: dict[str, Result]) -> None:
+    """TP=2: two of the four heads per rank (q / kv_b / o projections split, the latent projection replicated);
+    PP=2: the dense layer and a MoE layer on stage one, the last MoE layer on stage two."""
+    ours = run(checkpoints["v3"], tensor_parallel_size=2, pipeline_parallel_size=2,
+               distributed_executor_backend="ray")
+    assert_same_output(ours, single_device["v3"])
+
+
+def test_dp2_expert_parallel_matches_single_device(ray_cluster: Any, checkpoints: dict[str, Path],
+                                                   single_device: dict[str, Result]) -> None:
+    """Lock-step DP=2 with expert parallel: four of the eight experts per rank, routed by V2's grouped top-k."""
+    ours = run(checkpoints["v2"], data_parallel_size=2, enable_expert_parallel=True, num_gpu_blocks_override=64)
+    assert_same_output(ours, single_device["v2"])
