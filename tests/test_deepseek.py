@@ -4,7 +4,9 @@ with DeepSeek's mscale) token-exact with transformers on tiny random checkpoints
 the latent and the rope key only; TP=2 (heads split) x PP=2 and DP=2 expert parallel on Ray equal one device."""
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +102,8 @@ def references(checkpoints: dict[str, Path]) -> dict[str, Result]:
 
 @pytest.fixture(scope="module")
 def single_device(checkpoints: dict[str, Path]) -> dict[str, Result]:
-    return {name: run(path) for name, path in checkpoints.items()}
+    """V2 on the cpu attention backend (whose metadata MLA regroups), V3 on the torch one (whose grouping it reads)."""
+    return {"v2": run(checkpoints["v2"]), "v3": run(checkpoints["v3"], attention_backend="torch")}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -109,29 +112,19 @@ def test_greedy_matches_transformers(kind: str, references: dict[str, Result],
     assert_matches(references[kind], single_device[kind], kind)
 
 
-def test_torch_attention_backend_matches_transformers(checkpoints: dict[str, Path],
-                                                      references: dict[str, Result]) -> None:
-    """MLA reads the torch backend's own step grouping (the cpu backend's is rebuilt into it above)."""
-    assert_matches(references["v2"], run(checkpoints["v2"], attention_backend="torch"), "v2/torch")
-
-
-def test_yarn_mscale_decides_the_tokens(checkpoints: dict[str, Path], references: dict[str, Result],
+def test_yarn_mscale_moves_the_outputs(checkpoints: dict[str, Path], references: dict[str, Result],
                                         tmp_path: Path) -> None:
-    """Without mscale_all_dim (no softmax rescale, another cos/sin factor) transformers' outputs move: the parity
-    above checks raylm applies it."""
-    import json
-    import shutil
-
+    """Without mscale_all_dim (no softmax rescale, another cos/sin factor) transformers' logprobs move by more than
+    assert_matches allows: the V2 parity above fails if raylm leaves it out."""
     changed = tmp_path / "no_mscale"
     shutil.copytree(checkpoints["v2"], changed)
     config = json.loads((changed / "config.json").read_text())
     config["rope_parameters"] = {**config["rope_parameters"], "mscale_all_dim": 0}
     (changed / "config.json").write_text(json.dumps(config))
     moved = hf_greedy(changed, prompts(), MAX_TOKENS)
-    assert any(abs(moved_top[t] - ref_top[t]) > 1e-2
+    assert any(abs(moved_top[t] - ref_top[t]) > 1e-2  # ten times assert_matches' tolerance
                for (_, moved_steps), (_, ref_steps) in zip(moved, references["v2"], strict=True)
                for moved_top, ref_top in zip(moved_steps, ref_steps, strict=True) for t in moved_top.keys() & ref_top)
-    assert_matches(moved, run(changed), "v2/no mscale_all_dim")
 
 
 def test_kv_cache_holds_latent_and_rope_key(checkpoints: dict[str, Path],
