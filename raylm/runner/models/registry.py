@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 from raylm.runner.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from raylm.runner.models.gemma2 import Gemma2ForCausalLM
 from raylm.runner.models.gemma3 import Gemma3ForCausalLM
+from raylm.runner.models.gpt_oss import GptOssForCausalLM
 from raylm.runner.models.llama import LlamaForCausalLM
 from raylm.runner.models.mistral import MistralForCausalLM
 from raylm.runner.models.mixtral import MixtralForCausalLM
@@ -27,6 +28,7 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {  # each model is a Llama with its
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
