@@ -16,7 +16,11 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Confi
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_tokenizer import build_tokenizer
+from raylm.runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
+from raylm.runner.attention.torch_backend import DecodeGraphMetadata, TorchAttentionBackend
+from raylm.runner.forward_context import set_forward_context
 from raylm.runner.layers.expert_routing import DeepseekRouting
+from raylm.runner.layers.mla_attention import MLAAttention
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
 from tests.runner_steps import make_runner, model_parallel_of_one  # noqa: F401 (fixture)
 
@@ -136,6 +140,51 @@ def test_kv_cache_holds_latent_and_rope_key(checkpoints: dict[str, Path],
     assert [tuple(cache.shape) for cache in runner.kv_caches] == [(8, 16, 40)] * 3
     full_heads = SHAPES["num_attention_heads"] * (16 + 8 + 16) * 4 * SHAPES["num_hidden_layers"]
     assert per_token * 4 == full_heads  # this tiny shape: a quarter of the full-head cache
+
+
+def naive_mla(q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, kv_b: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """One request's causal MLA, keys and values expanded per head: q [n, H, 24], latent [n, 32], k_pe [n, 8]."""
+    kv = (latent @ kv_b.T).unflatten(-1, (4, 32))  # [n, H, nope + v]
+    k = torch.cat([kv[..., :16], k_pe[:, None].expand(-1, 4, -1)], dim=-1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    causal = torch.ones(len(q), len(q), dtype=torch.bool).tril()[len(q) - q.shape[0]:]
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khv->qhv", probs, kv[..., 16:]).flatten(1)
+
+
+def test_absorbed_decode_equals_expanded_attention() -> None:
+    """Prompts of 5 and 7 tokens (blocks of 4), then one decode token each: the decode, absorbed, through the torch
+    backend's grouping and through a CUDA graph's fixed buffers (the whole block table, no host read), equals
+    attention with every key and value expanded from the latents."""
+    torch.manual_seed(0)
+    layer = MLAAttention(4, 0.3, 16, 8, 16, 32, layer_idx=0)
+    layer.kv_cache = torch.zeros(8, 4, 40)
+    kv_b, lens = torch.randn(4 * 32, 32) * 0.3, [6, 8]
+    q = [torch.randn(n, 4, 24) for n in lens]
+    latent, k_pe = [torch.randn(n, 32) for n in lens], [torch.randn(n, 8) for n in lens]
+    block_table = torch.tensor([[0, 1, 0], [2, 3, 4]], dtype=torch.int32)
+    slots = [torch.tensor([int(block_table[r, p // 4]) * 4 + p % 4 for p in range(n)]) for r, n in enumerate(lens)]
+
+    def step(rows: list[slice], metadata_of: Any) -> torch.Tensor:
+        parts = [(t[r][rows[r]]) for t in (q, latent, k_pe, slots) for r in range(2)]
+        q_, latent_, k_pe_, slot = (torch.cat(parts[i:i + 2]) for i in range(0, 8, 2))
+        query_lens = torch.tensor([len(range(n)[rows[r]]) for r, n in enumerate(lens)], dtype=torch.int32)
+        seq_lens = torch.tensor([rows[r].stop or n for r, n in enumerate(lens)], dtype=torch.int32)
+        query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0, dtype=torch.int32)])
+        common = CommonAttentionMetadata(query_start_loc, query_start_loc, seq_lens, seq_lens, block_table, slot, 2,
+                                         len(q_), int(query_lens.max()), int(seq_lens.max()))
+        with set_forward_context(metadata_of(common), len(q_)):
+            return layer(q_, latent_, k_pe_, kv_b)
+
+    torch_build = TorchAttentionBackend().build
+    step([slice(0, n - 1) for n in lens], torch_build)  # the prompts, fresh: their own entries
+    expected = torch.stack([naive_mla(q[r], latent[r], k_pe[r], kv_b, 0.3)[-1] for r in range(2)])
+    decode = [slice(n - 1, n) for n in lens]
+    torch.testing.assert_close(step(decode, torch_build), expected)
+    graph = step(decode, lambda c: DecodeGraphMetadata(TorchAttentionBackend(), 2, DecodeGraphBuffers(
+        c.slot_mapping, c.seq_lens, c.query_start_loc, c.block_table, scratch_slot=-1)))
+    torch.testing.assert_close(graph, expected)
 
 
 def test_routing_against_transformers_routers() -> None:

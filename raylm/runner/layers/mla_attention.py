@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from raylm.runner.attention.backend import AttentionBackend, AttentionMetadata
+from raylm.runner.attention.backend import AttentionBackend
 from raylm.runner.attention.common import CommonAttentionMetadata, DecodeGraphBuffers
 from raylm.runner.attention.kv_write import write_kv
 from raylm.runner.attention.torch_backend import SDPAGroup, TorchAttentionBackend, TorchAttentionMetadata, attend
@@ -46,16 +46,17 @@ class _StepPlan(threading.local):
 _step = _StepPlan()
 
 
-def _decode_graph_plan(buffers: DecodeGraphBuffers, block_size: int) -> TorchAttentionMetadata:
-    """A captured uniform decode: one decode group over the block table's full width, no host read."""
-    num_reqs, max_blocks = buffers.block_table.shape
-    device = buffers.seq_lens.device
-    key_pos = torch.arange(max_blocks * block_size, device=device)
-    key_valid = key_pos < buffers.seq_lens[:, None].long()
-    rows = torch.arange(num_reqs, device=device)
-    group = SDPAGroup(True, rows[:, None], key_valid[:, None, None, :], False, None, rows, buffers.block_table,
-                      key_valid, buffers.seq_lens[:, None].long() - 1, key_pos[None, :])
-    return TorchAttentionMetadata(TorchAttentionBackend(), num_reqs, buffers.slot_mapping, [group])
+def _uniform_decode_plan(slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                         block_size: int) -> TorchAttentionMetadata:
+    """A captured uniform decode (one token per request, padding rows at slot -1): one decode group over the block
+    table's full width, with no host read and no data-dependent shape."""
+    num_reqs, max_blocks = block_table.shape
+    key_pos = torch.arange(max_blocks * block_size, device=block_table.device)
+    key_valid = key_pos < seq_lens[:, None].long()
+    rows = torch.arange(num_reqs, device=block_table.device)
+    group = SDPAGroup(True, rows[:, None], key_valid[:, None, None, :], False, None, rows, block_table, key_valid,
+                      seq_lens[:, None].long() - 1, key_pos[None, :])
+    return TorchAttentionMetadata(TorchAttentionBackend(), num_reqs, slot_mapping, [group])
 
 
 def _common_metadata(metadata: Any) -> CommonAttentionMetadata:
@@ -72,13 +73,16 @@ def _common_metadata(metadata: Any) -> CommonAttentionMetadata:
         num_reqs, metadata.num_actual_tokens, int(query_start_loc_cpu.diff().max()), int(seq_lens_cpu.max()))
 
 
-def step_plan(metadata: AttentionMetadata, block_size: int) -> TorchAttentionMetadata:
-    """The torch backend's grouping of this step's requests, built by the first MLA layer that asks."""
+def step_plan(metadata: Any, block_size: int) -> TorchAttentionMetadata:
+    """The torch backend's grouping of this step's requests (`metadata`: any backend's), built by the first MLA
+    layer that asks."""
     if _step.metadata is not metadata:
         if isinstance(metadata, TorchAttentionMetadata):
             plan = metadata
-        elif isinstance(getattr(metadata, "buffers", None), DecodeGraphBuffers):
-            plan = _decode_graph_plan(metadata.buffers, block_size)  # type: ignore[attr-defined]
+        elif isinstance(buffers := getattr(metadata, "buffers", None), DecodeGraphBuffers):  # torch, flash_attn
+            plan = _uniform_decode_plan(buffers.slot_mapping, buffers.seq_lens, buffers.block_table, block_size)
+        elif metadata.slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing():  # triton's graph decode
+            plan = _uniform_decode_plan(metadata.slot_mapping, metadata.seq_lens, metadata.block_table, block_size)
         else:
             plan = TorchAttentionBackend().build(_common_metadata(metadata))
         _step.metadata, _step.plan = metadata, plan
