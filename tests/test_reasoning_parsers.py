@@ -69,9 +69,9 @@ def test_reasoning_end_from_token_ids(tokenizer: Any) -> None:
 
 
 def test_unknown_names_list_the_known_ones(tokenizer: Any) -> None:
-    with pytest.raises(ValueError, match="unknown parser 'granite'; known: deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="unknown parser 'granite'; known: deepseek_r1, qwen3, openai_gptoss"):
         ReasoningParser("granite", tokenizer)
-    with pytest.raises(ValueError, match="reasoning_parser: Input should be 'deepseek_r1' or 'qwen3'"):
+    with pytest.raises(ValueError, match="reasoning_parser: Input should be 'deepseek_r1', 'qwen3' or 'openai_gptoss'"):
         make_engine_config(model="unused", reasoning_parser="granite")
 
 

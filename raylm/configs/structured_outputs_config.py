@@ -15,8 +15,9 @@ class StructuredOutputsConfig(BaseModel):
     structured_outputs_backend: StructuredOutputsBackend = Field(
         "auto", description="grammar engine of constrained requests; auto: xgrammar, and guidance (llguidance) for "
                             "the schemas, regexes and grammars xgrammar cannot enforce")
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
-        None, description="split <think>...</think> into reasoning_content; a grammar applies only after it ends")
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "openai_gptoss"] | None = Field(
+        None, description="split the reasoning (<think>...</think>; GPT-OSS's analysis channel: openai_gptoss) into "
+                          "reasoning_content; a grammar applies only after it ends")
     enable_auto_tool_choice: bool = Field(
         False, description="tool_choice 'auto': parse the model's own tool calls (needs tool_call_parser)")
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic", "deepseek_v3", "openai"] | None = Field(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 START, END = "<think>", "</think>"
 
@@ -13,9 +13,11 @@ class ReasoningParser:
     """`deepseek_r1`: the output is reasoning until </think> (the template may open <think> itself); `qwen3`: there is
     reasoning only between an explicit <think> and </think>."""
 
+    reads_special_tokens: ClassVar[bool] = False  # whether its markers are special tokens the server must keep
+
     def __init__(self, name: str, tokenizer: Any) -> None:
         if name not in ("deepseek_r1", "qwen3"):
-            raise ValueError(f"reasoning_parser: unknown parser {name!r}; known: deepseek_r1, qwen3")
+            raise ValueError(f"reasoning_parser: unknown parser {name!r}; known: deepseek_r1, qwen3, openai_gptoss")
         self.name = name
         vocab = tokenizer.get_vocab()
         missing = [marker for marker in (START, END) if marker not in vocab]
@@ -76,6 +78,3 @@ class ReasoningStream:
             self.ended, delta = True, after
         return "".join(reasoning), "".join(content)
 
-
-def get_reasoning_parser(name: str | None, tokenizer: Any) -> ReasoningParser | None:
-    return None if name is None else ReasoningParser(name, tokenizer)
