@@ -50,9 +50,11 @@ class OpenAIServingChat(OpenAIServing):
                                     max_tokens_param)
         params = self.sampling_params(request, max_tokens, self._num_logprobs(request))
         params.structured_outputs = constraint.structured_outputs
-        if (request.skip_special_tokens is None and constraint.tool_parser is not None
-                and constraint.tool_parser().reads_special_tokens):
-            params.skip_special_tokens = False  # the calls' markers must stay in the text (vLLM's adjust_request)
+        reasoning = self._reasoning_parser()
+        if request.skip_special_tokens is None and (
+                constraint.tool_parser is not None and constraint.tool_parser().reads_special_tokens
+                or reasoning is not None and reasoning.reads_special_tokens):
+            params.skip_special_tokens = False  # the markers must stay in the text (vLLM's adjust_request)
         request_id = random_id("chatcmpl")
         outputs = self.engine.generate(request_id, prompt, params, request.priority or 0)
         if request.stream:
