@@ -70,6 +70,36 @@ def test_portable_path_equals_dequantize_then_matmul(fmt: BlockFormat) -> None:
     assert torch.equal(ops.block_dequantize(packed, ids, fmt.ggml_type, k), dequantize(packed, fmt)[ids])
 
 
+AMX_SHAPES = [(1, 32, 32), (5, 37, 96), (16, 64, 576), (17, 96, 160), (40, 33, 64), (70, 130, 288)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+@pytest.mark.parametrize(("m", "n", "k"), AMX_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in AMX_SHAPES])
+def test_amx_path_equals_dequantize_then_matmul_in_bfloat16(fmt: BlockFormat, m: int, n: int, k: int) -> None:
+    """The AMX kernel (bfloat16 x, panels of W decoded to bfloat16, float32 sums, y rounded once): one x block and
+    pairs of them, a last panel and a last x block cut short, with and without bias. It computes on the weights the
+    bfloat16 copy holds, so it differs from that product by summation order and the final rounding only."""
+    ops = kernels.amx_kernels_for(torch.device("cpu"), torch.bfloat16)
+    if ops is None:
+        pytest.skip("no AMX-BF16 here (the block kernel and the float kernels cover this CPU)")
+    packed = quantize(_weight(n, k, seed=n + k), fmt)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    bias = torch.randn(n).bfloat16() if m % 2 else None
+    y = kernels.amx_linear(x, packed, fmt, bias, ops)
+    copy = dequantize(packed, fmt).bfloat16().double()
+    reference = x.double() @ copy.T + (0 if bias is None else bias.double())
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.double(), reference, rtol=2**-7, atol=2**-7 * reference.abs().max().item())
+
+
+def test_amx_needs_its_build_and_bfloat16() -> None:
+    """The portable build (and any build whose compiler did not target AMX) reports no tiles, so plans never time
+    `amx` there; float32 activations never take it."""
+    portable = kernels.load(portable=True)
+    assert portable is not None and not portable.amx_available()
+    assert kernels.amx_kernels_for(torch.device("cpu"), torch.float32) is None
+
+
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
 def test_rows_lookup(fmt: BlockFormat) -> None:
     packed = quantize(_weight(37, 96, seed=2), fmt)

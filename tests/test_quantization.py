@@ -23,7 +23,7 @@ from raylm.configs import model_info
 from raylm.configs.engine_config import ModelConfig
 from raylm.configs.model_info import cpu_bf16_instructions, cpu_multiplies_bf16, read_model_info, resolve_dtype
 from raylm.runner import cpu_kernels
-from raylm.runner.layers.cpu_gemm import KERNELS, ROW_BUCKETS, GemmPlan
+from raylm.runner.layers.cpu_gemm import BLOCK_KERNELS, KERNELS, ROW_BUCKETS, GemmPlan
 from raylm.runner.layers.linear import ColumnParallelLinear, RowParallelLinear
 from raylm.runner.layers.quantization import get_quantization_config, kernels
 from raylm.runner.layers.quantization.base_config import set_quant_config
@@ -37,6 +37,7 @@ from tests.reference import (
     greedy_with_logits,
     hf_greedy,
 )
+from tests.runner_steps import model_parallel_of_one  # noqa: F401 - a fixture
 
 MAX_TOKENS = 10
 PROMPTS = [[5, 17, 33, 400, 12], list(range(10, 70)), [300] * 3, [7]]
@@ -163,6 +164,7 @@ def test_moe_models_are_refused() -> None:
         get_quantization_config("int4", config)
 
 
+@pytest.mark.usefixtures("model_parallel_of_one")  # the layer is built outside an engine
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-dot-products", "no-bf16-dot-products"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -170,8 +172,9 @@ def test_each_path_of_a_quantized_linear(kernel: str, dtype: torch.dtype, native
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever its plan picks, a Q4_1 linear computes x W^T + b on its dequantized weight: the block kernel, or a
     float kernel on the dequantized copy, float32 for float32 activations and bfloat16 for bfloat16 ones where the
-    CPU multiplies bfloat16 (forced off here: a float32 copy, x upcast). A plan of the block kernel alone keeps no
-    copy."""
+    CPU multiplies bfloat16 (forced off here: a float32 copy, x upcast). A plan of the block kernels alone keeps no
+    copy; `amx` runs on AMX for bfloat16 activations where the CPU has it, and falls back to the block kernel
+    elsewhere (float32 activations, no AMX)."""
     if kernels.load() is None or (kernel == "skinny" and cpu_kernels.load() is None):
         pytest.skip("raylm's CPU kernels could not be built here")
     if native_bf16 and not model_info.cpu_multiplies_bf16():
@@ -193,7 +196,7 @@ def test_each_path_of_a_quantized_linear(kernel: str, dtype: torch.dtype, native
     assert layer.dequantized is not None and layer.dequantized.dtype == copy_dtype
     layer.gemm_plan = GemmPlan((kernel,) * len(ROW_BUCKETS))
     layer.process_weights_after_loading()  # what plan_linears does with the plan
-    assert (layer.dequantized is None) == (kernel == "packed")
+    assert (layer.dequantized is None) == (kernel in BLOCK_KERNELS)
     dequantized = dequantize(layer.weight, Q4_1).double()
     # A bfloat16 result, or a bfloat16 copy, rounds to 8 significant bits; float32 sums differ in order only.
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

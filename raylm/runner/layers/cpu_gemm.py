@@ -20,12 +20,13 @@ weight, sgemm at one row looked as fast as oneDNN, yet ran at half its speed fro
 user cache per machine (CPU features, torch, threads, shapes): every process on the machine picks the same kernels (so
 rounds alike) and a later start-up does not measure again. Delete `~/.cache/raylm/gemm_plans` to measure anew.
 
-A block-quantized layer (quantization: int8, int4, gguf) plans the same way with one more kernel, `packed`: its block
-kernel on the packed weight, fastest at a few rows where reading fewer bytes is what counts. The float kernels then run
-on a dequantized copy of the weight (`dequantized`, in the activations' dtype: bfloat16 under `dtype: auto` on a CPU
-with bfloat16 dot products; quantization.block_quant says when not), kept only where the plan picks them for some
-bucket: on a Sapphire Rapids core the block kernels win at one or two rows and oneDNN's AMX bfloat16 matmul on the
-copy from there (docs/cpu-performance.md).
+A block-quantized layer (quantization: int8, int4, gguf) plans the same way with its own kernels on the packed weight:
+`packed` (blocks decoded in registers, fastest at a few rows where reading fewer bytes is what counts) and, for
+bfloat16 activations on a CPU with AMX, `amx` (panels decoded to bfloat16 in cache for AMX's tile products). The
+float kernels then run on a dequantized copy of the weight (`dequantized`, in the activations' dtype: bfloat16 under
+`dtype: auto` on a CPU with bfloat16 dot products; quantization.block_quant says when not), kept only where the plan
+picks them for some bucket: on a Sapphire Rapids core the block kernels win at one or two rows and oneDNN's AMX
+bfloat16 matmul on the copy from there (docs/cpu-performance.md).
 """
 from __future__ import annotations
 
@@ -68,7 +69,10 @@ Shape = tuple[int, int, bool, str]  # (out_features, in_features, has_bias, weig
 
 
 FLOAT_KERNELS = ("sgemm", "onednn", "skinny")
-KERNELS = (*FLOAT_KERNELS, "packed")  # packed: a block-quantized layer's own kernel
+# A block-quantized layer's own kernels: `packed` decodes blocks in registers (float32), `amx` decodes panels to
+# bfloat16 for AMX's tile products (bfloat16 activations on a CPU with AMX-BF16).
+BLOCK_KERNELS = frozenset({"packed", "amx"})
+KERNELS = (*FLOAT_KERNELS, "packed", "amx")
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class CpuGemmMixin:
     upcast_bias: torch.Tensor | None = None
     # A block-quantized layer's own kernel (`packed` in plans) and its weight's float copy for the float kernels.
     block_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    amx_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # where AMX runs here
     dequantized: torch.Tensor | None = None
     params_dtype: torch.dtype  # a quantized layer's activations (the model's dtype), set with block_matmul
 
@@ -149,7 +154,9 @@ class CpuGemmMixin:
         else:
             kernel = plan.kernel_for(x.shape[0])
         if self.block_matmul is not None:
-            if kernel == "packed" or self.dequantized is None:
+            if kernel == "amx" and self.amx_matmul is not None and x.dtype == torch.bfloat16:
+                return self.amx_matmul(x, bias)
+            if kernel in BLOCK_KERNELS or self.dequantized is None:
                 return self.block_matmul(x, bias)
             # The copy's dtype may differ from x's (float32 for bfloat16 activations on a CPU without bfloat16
             # products): cast there and back, the bias added in x's dtype.
@@ -305,8 +312,10 @@ def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tenso
         calls["skinny"] = lambda layer, weight, packed, skinny: cast_out(
             ops.skinny_linear(cast_in(), skinny, out_features, float_bias))
     if quantized:
-        # Timed only for quantized layers, each of which has its block_matmul.
+        # Timed only for quantized layers, each of which has its block_matmul (and its amx_matmul where AMX runs).
         calls["packed"] = lambda layer, weight, packed, skinny: layer.block_matmul(x, bias)  # type: ignore[misc]
+        if layers[0].amx_matmul is not None:
+            calls["amx"] = lambda layer, weight, packed, skinny: layer.amx_matmul(x, bias)  # type: ignore[misc]
     best = {name: float("inf") for name in calls}
     for round_index in range(_TIMED_ROUNDS + 1):
         for name, call in calls.items():

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "amx_gemm.h"
 #include "block_formats.h"
 
 namespace raylm {
@@ -126,6 +127,41 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
   TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
 }
 
+// y = x W^T (+ bias) on AMX tiles (amx_gemm.h): x bfloat16 [m, k], bias float32 [n] or None, y bfloat16 [m, n].
+torch::Tensor block_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
+                             const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(quant::amx_available(), "this build or CPU has no AMX-BF16 tiles (check amx_available() first)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous 2-D bfloat16 CPU tensor");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
+                  w.size(0) == n,
+              "the weight must be a contiguous 2-D uint8 CPU tensor of ", n, " rows of blocks");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "in_features ", k, " is not a multiple of the ", kBlock, "-weight block");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
+                "bias must be a contiguous float32 tensor of ", n, " values");
+    b = bias->data_ptr<float>();
+  }
+  torch::Tensor y = torch::empty({m, n}, x.options());
+#ifdef RAYLM_AMX
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint8_t* ws = w.data_ptr<uint8_t>();
+  const int64_t row_bytes = w.size(1);
+  switch (qtype) {
+    case 2: TORCH_CHECK(row_bytes == k / kBlock * Q4_0::kBytes, "weight rows do not hold ", k, " Q4_0 weights");
+            quant::amx_gemm<Q4_0>(xs, m, k, ws, n, b, ys); return y;
+    case 3: TORCH_CHECK(row_bytes == k / kBlock * Q4_1::kBytes, "weight rows do not hold ", k, " Q4_1 weights");
+            quant::amx_gemm<Q4_1>(xs, m, k, ws, n, b, ys); return y;
+    case 8: TORCH_CHECK(row_bytes == k / kBlock * Q8_0::kBytes, "weight rows do not hold ", k, " Q8_0 weights");
+            quant::amx_gemm<Q8_0>(xs, m, k, ws, n, b, ys); return y;
+  }
+#endif
+  TORCH_CHECK(false, "ggml type ", qtype, " has no AMX kernel");
+}
+
 // Rows `rows` of W as float32 [len(rows), k]: the embedding lookup of a quantized table.
 torch::Tensor block_dequantize(const torch::Tensor& w, const torch::Tensor& rows, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && rows.scalar_type() == torch::kInt64 &&
@@ -147,4 +183,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("block_gemm", &raylm::block_gemm, kNoGil);
   m.def("block_dequantize", &raylm::block_dequantize, kNoGil);
+  m.def("block_gemm_amx", &raylm::block_gemm_amx, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), kNoGil);
+  m.def("amx_available", &raylm::quant::amx_available);
 }

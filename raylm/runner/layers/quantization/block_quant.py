@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from raylm.configs import model_info
-from raylm.runner.layers.cpu_gemm import CpuGemmMixin, onednn_packs
+from raylm.runner.layers.cpu_gemm import BLOCK_KERNELS, CpuGemmMixin, onednn_packs
 from raylm.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from raylm.runner.layers.linear import LinearBase, UnquantizedLinearMethod, WeightLoader, set_weight_loader
 from raylm.runner.layers.quantization import kernels
@@ -113,16 +113,20 @@ class BlockQuantMethod(QuantizeMethodBase):
         fmt = layer.weight.quant_format
         # Decided once per layer (device, dtype, custom_ops are fixed by now) rather than on every call.
         layer.block_kernels = kernels.kernels_for(layer.weight.device, layer.params_dtype)
-        layer.block_matmul, layer.dequantized = None, None
+        layer.block_matmul, layer.amx_matmul, layer.dequantized = None, None, None
         ops = kernels.kernels_for(layer.weight.device, torch.float32)
         if fmt is not None and ops is not None and isinstance(layer, CpuGemmMixin):
-            # The block kernel (float32 in and out) is one candidate of the layer's GEMM plan; the float kernels run
-            # on a dequantized copy, made only while the plan is unknown (to time it) or picks them for some rows.
+            # The block kernels (float32 in registers; bfloat16 on AMX tiles where the CPU has them) are candidates
+            # of the layer's GEMM plan; the float kernels run on a dequantized copy, made only while the plan is
+            # unknown (to time it) or picks them for some rows.
             layer.block_matmul = lambda x, bias: kernels.block_linear(
                 x.float(), layer.weight, fmt, None if bias is None else bias.float(), ops).to(x.dtype)
+            amx = kernels.amx_kernels_for(layer.weight.device, layer.params_dtype)
+            if amx is not None:
+                layer.amx_matmul = lambda x, bias: kernels.amx_linear(x, layer.weight, fmt, bias, amx)
             copy_dtype = dequantized_dtype(layer.params_dtype)
             plan = layer.gemm_plan
-            if onednn_packs(copy_dtype) and (plan is None or set(plan.kernels) != {"packed"}):
+            if onednn_packs(copy_dtype) and (plan is None or not set(plan.kernels) <= BLOCK_KERNELS):
                 layer.dequantized = dequantize(layer.weight.detach(), fmt).to(copy_dtype)
         if fmt is None or layer.block_matmul is not None:
             _FLOAT.process_weights_after_loading(layer)

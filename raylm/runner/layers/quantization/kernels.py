@@ -3,7 +3,9 @@ once per machine like the other CPU kernels, or a dequantize-per-call path (plai
 
 On CPU in float32 a batch of up to MAX_DIRECT_ROWS rows decodes each block of 32 weights in registers, once for all
 rows, and multiplies the integers by x directly; a larger batch decodes tiles of 256 weight rows to float32 and runs
-torch's sgemm on each. torch's own weight-only ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were slower
+torch's sgemm on each. For bfloat16 activations on a CPU with AMX-BF16, `amx_linear` decodes panels of 32 weight rows
+to bfloat16 in cache and multiplies them on AMX tiles (a candidate of the GEMM plan beside the block kernel and the
+float kernels on a dequantized copy). torch's own weight-only ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were slower
 than both on the CPUs measured (scripts/bench_quant_kernels.py), so they are not used.
 
 The dequantize-per-call path (CUDA, other dtypes, `custom_ops="none"`) keeps the weights packed in memory and makes a
@@ -42,6 +44,24 @@ def kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
     if not cpu_kernels.is_enabled() or device.type != "cpu" or dtype != torch.float32:
         return None
     return load()
+
+
+def amx_kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The kernels where their AMX path runs activations of `dtype` on `device`: bfloat16 on a CPU whose tiles the
+    build targets and the OS lets this process use (`amx_available`), custom ops on."""
+    if not cpu_kernels.is_enabled() or device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    ops = load()
+    return ops if ops is not None and ops.amx_available() else None
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None,
+               ops: ModuleType) -> torch.Tensor:
+    """y = x W^T (+ bias) for bfloat16 x on AMX tiles: each panel of W's blocks decoded to bfloat16 in cache, the
+    products summed in float32, y rounded to bfloat16 once (`csrc/quant/amx_gemm.h`)."""
+    x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    y = ops.block_gemm_amx(x2d, packed, fmt.ggml_type, packed.shape[0], None if bias is None else bias.float())
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
 
 
 _UNSET = object()
