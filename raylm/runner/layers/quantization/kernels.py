@@ -5,8 +5,9 @@ On CPU in float32 a batch of up to MAX_DIRECT_ROWS rows decodes each block of 32
 rows, and multiplies the integers by x directly; a larger batch decodes tiles of 256 weight rows to float32 and runs
 torch's sgemm on each. For bfloat16 activations on a CPU with AMX-BF16, `amx_linear` decodes panels of 32 weight rows
 to bfloat16 in cache and multiplies them on AMX tiles (a candidate of the GEMM plan beside the block kernel and the
-float kernels on a dequantized copy). torch's own weight-only ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were slower
-than both on the CPUs measured (scripts/bench_quant_kernels.py), so they are not used.
+float kernels on a dequantized copy). torch's own weight-only ops (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`) were slower than both on the CPUs measured (scripts/bench_quant_kernels.py), so they
+are not used.
 
 The dequantize-per-call path (CUDA, other dtypes, `custom_ops="none"`) keeps the weights packed in memory and makes a
 float copy of one layer's weight per call: correct everywhere, fast nowhere; a fused GPU kernel would replace it.
