@@ -1,7 +1,7 @@
 """GPT-OSS (attention sinks, sliding-window layers alternating with full ones, biased attention, YaRN, biased experts
 with the clamped SwiGLU, top-k then softmax routing) token-exact with transformers on a tiny random checkpoint,
 through prefill, chunked prefill past the window and decode steps, in the cpu and torch attention backends; TP=2 x
-PP=2 on Ray equal one device."""
+PP=2 on Ray equal one device; served through the OpenAI client with the openai_gptoss reasoning parser."""
 from __future__ import annotations
 
 import random
@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,6 +20,7 @@ from raylm.cluster.models.tiny_tokenizer import build_tokenizer
 from raylm.configs.attention_backends import attention_features, choose_attention_backend
 from raylm.configs.environment import EnvironmentFacts
 from raylm.runner.layers.gpt_oss_experts import GptOssExperts
+from tests.http_server import served_engine
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
 from tests.runner_steps import model_parallel_of_one  # noqa: F401 (fixture)
 
@@ -34,6 +36,8 @@ SHAPES = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_att
               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
 Result = list[tuple[list[int], list[dict[int, float]]]]
+# The harmony markers gpt-oss's tokenizer has as special tokens (<|start|> and <|end|> the tiny tokenizer has already).
+HARMONY = ["<|channel|>", "<|message|>", "<|call|>", "<|return|>", "<|constrain|>"]
 
 
 def widen(model: torch.nn.Module) -> None:
@@ -49,6 +53,7 @@ def widen(model: torch.nn.Module) -> None:
 
 def write_checkpoint(path: Path) -> Path:
     tokenizer = build_tokenizer(512)
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY})
     config = GptOssConfig(vocab_size=len(tokenizer), architectures=["GptOssForCausalLM"], **SHAPES)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -152,3 +157,27 @@ def test_tp2_pp2_on_ray_matches_single_device(ray_cluster: Any, checkpoint: Path
     ours = run(checkpoint, attention_backend="cpu", tensor_parallel_size=2, pipeline_parallel_size=2,
                distributed_executor_backend="ray")
     assert_same_output(ours, single_device)
+
+
+def test_openai_server(checkpoint: Path, reference: Result) -> None:
+    """Through the OpenAI client: completions give transformers' greedy text; with the openai_gptoss reasoning
+    parser a chat keeps the harmony markers (special tokens) in the text it parses, whole and streamed (the output
+    forced to <|message|>, a message with no channel: content as it is)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    marker = tokenizer.convert_tokens_to_ids("<|message|>")
+    with served_engine(checkpoint, max_model_len=128, reasoning_parser="openai_gptoss") as (server, _):
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        for prompt, (tokens, _) in zip(prompts(), reference, strict=True):
+            text = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+            # The detokenizer holds back an unfinished UTF-8 sequence at the end (random tokens split characters).
+            assert text.rstrip("\ufffd") == tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+        chat: dict[str, Any] = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                    temperature=0, logit_bias={str(marker): 100})
+        message = client.chat.completions.create(**chat).choices[0].message
+        assert message.content == "<|message|>" * 3 and getattr(message, "reasoning_content", None) is None
+        chunks = list(client.chat.completions.create(**chat, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
