@@ -44,6 +44,43 @@ def test_concurrent_requests_stream_deltas(llm: AsyncLLM) -> None:
         assert outputs[-1].outputs[0].finish_reason == "length"
 
 
+def test_final_only_output_is_the_whole_stream(llm: AsyncLLM) -> None:
+    """output_kind="final": one output per request, the streamed deltas joined (n=2 sequences, their logprobs), with
+    the time of its first token, which came out halfway through the stream of the same request run beside it."""
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, n=2, logprobs=2, ignore_eos=True)
+
+    async def run() -> tuple[list[tuple[float, RequestOutput]], list[RequestOutput], float]:
+        await llm.wait_until_ready()
+        start = time.monotonic()
+
+        async def timed(outputs: Any) -> list[tuple[float, RequestOutput]]:
+            return [(time.monotonic(), output) async for output in outputs]
+
+        streamed, final = await asyncio.gather(
+            timed(llm.generate("streamed", "Once upon", params)),
+            _collect_final(llm.generate("final", "Once upon", params, output_kind="final")))
+        return streamed, final, start
+
+    streamed, final, start = asyncio.run(run())
+    assert len(streamed) > 6 and len(final) == 1 and final[0].finished
+    for index, completion in enumerate(final[0].outputs):
+        deltas = [c for _, output in streamed for c in output.outputs if c.index == index]
+        assert completion.index == index
+        assert completion.token_ids == [t for c in deltas for t in c.token_ids] and len(completion.token_ids) == 12
+        assert completion.text == "".join(c.text for c in deltas)
+        streamed_logprobs = [lp for c in deltas for lp in c.logprobs or []]  # the same up to batch-shape rounding
+        assert completion.logprobs is not None and len(completion.logprobs) == len(streamed_logprobs) == 12
+        for got, want in zip(completion.logprobs, streamed_logprobs, strict=True):
+            assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
+        assert completion.finish_reason == deltas[-1].finish_reason == "length"
+    first_token_time = final[0].first_token_time
+    assert first_token_time is not None and start < first_token_time < streamed[len(streamed) // 2][0]
+
+
+async def _collect_final(outputs: Any) -> list[RequestOutput]:
+    return [output async for output in outputs]
+
+
 def test_bad_input_fails_only_its_request(llm: AsyncLLM) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(_collect(llm, "too-long", {"prompt_token_ids": [5] * 200}, SamplingParams()))

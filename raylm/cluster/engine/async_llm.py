@@ -28,6 +28,7 @@ from raylm.cluster.engine.engine_commands import (
 )
 from raylm.cluster.engine.llm_engine import LLMEngine, PromptType
 from raylm.cluster.engine.lora_registry import LoRARegistry
+from raylm.cluster.engine.output_processor import RequestOutputKind
 from raylm.cluster.engine.outputs import (
     DPEngineDiedError,
     EngineDeadError,
@@ -100,10 +101,13 @@ class AsyncLLM:
     # ---- requests -----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                       lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Yields delta outputs until the request finishes. Bad input raises ValueError; stopping the
-        iteration early (a cancelled or disconnected consumer) aborts the request and frees its blocks."""
-        async for output in self._outputs(request_id, prompt, params, priority, lora_request):
+                       lora_request: LoRARequest | None = None,
+                       output_kind: RequestOutputKind = "delta") -> AsyncGenerator[RequestOutput, None]:
+        """Yields delta outputs until the request finishes; with output_kind="final" (vLLM's FINAL_ONLY) only the
+        finished one, whole: a consumer that wants the result alone (a batch replica, a response not streamed) then
+        wakes once per request instead of once per token. Bad input raises ValueError; stopping the iteration early
+        (a cancelled or disconnected consumer) aborts the request and frees its blocks."""
+        async for output in self._outputs(request_id, prompt, params, priority, lora_request, output_kind):
             assert isinstance(output, RequestOutput)
             yield output
 
@@ -117,10 +121,11 @@ class AsyncLLM:
         return output
 
     async def _outputs(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                       priority: int, lora_request: LoRARequest | None,
+                       priority: int, lora_request: LoRARequest | None, output_kind: RequestOutputKind = "delta",
                        ) -> AsyncGenerator[RequestOutput | PoolingRequestOutput, None]:
         stream = RequestStream(asyncio.get_running_loop())
-        self._submit(AddRequest(request_id, prompt, params, priority, stream, time.monotonic(), lora_request))
+        self._submit(AddRequest(request_id, prompt, params, priority, stream, time.monotonic(), lora_request,
+                                output_kind))
         finished = False
         try:
             while not finished:
@@ -223,8 +228,8 @@ class AsyncLLM:
         if isinstance(command, AddRequest):
             try:
                 prompt_token_ids, engine_index = engine.add_request(
-                    command.request_id, command.prompt, command.params, command.priority, output_kind="delta",
-                    lora_request=command.lora_request)
+                    command.request_id, command.prompt, command.params, command.priority,
+                    output_kind=command.output_kind, lora_request=command.lora_request)
             except ValueError as err:  # bad input fails this request only
                 post_outputs([(command.stream, err)])
                 return
@@ -269,9 +274,11 @@ class AsyncLLM:
             num_new_tokens = (0 if isinstance(output, PoolingRequestOutput) else
                               sum(len(completion.token_ids) for completion in output.outputs))
             if state.first_token_time is None:
-                state.first_token_time = now
+                # A "final" output comes at the end: its first token's time travels with it.
+                first_token_time = output.first_token_time if isinstance(output, RequestOutput) else None
+                state.first_token_time = now if first_token_time is None else first_token_time
                 iteration.num_prompt_tokens += state.num_prompt_tokens
-                iteration.time_to_first_tokens.append(now - state.arrival_time)
+                iteration.time_to_first_tokens.append(state.first_token_time - state.arrival_time)
             else:
                 iteration.inter_token_latencies.append(now - state.last_token_time)
             state.last_token_time = now

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TypeAlias, TypeVar
 
 from raylm.cluster.engine.llm_engine import LLMEngine, PromptType
+from raylm.cluster.engine.output_processor import RequestOutputKind
 from raylm.cluster.engine.outputs import PoolingRequestOutput, RequestOutput
 from raylm.common.lora_request import LoRARequest
 from raylm.common.pooling_params import PoolingParams
@@ -38,6 +39,7 @@ class AddRequest:
     stream: RequestStream
     arrival_time: float
     lora_request: LoRARequest | None = None
+    output_kind: RequestOutputKind = "delta"
 
 
 @dataclass

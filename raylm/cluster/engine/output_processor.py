@@ -5,6 +5,7 @@ parent RequestOutput holding one CompletionOutput per child, ordered by index.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -47,6 +48,7 @@ class ParentRequest:
     # Set when they arrive (from one child); under "delta" cleared once sent.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # from the engine's KV connector as the request finished
+    first_token_time: float | None = None  # time.monotonic() as its first token (of any child) arrived
 
     @property
     def finished(self) -> bool:
@@ -196,6 +198,7 @@ class OutputProcessor:
                     num_cached_tokens=parent.num_cached_tokens,
                     prompt_logprobs=prompt_logprobs,
                     kv_transfer_params=parent.kv_transfer_params,
+                    first_token_time=parent.first_token_time,
                 )
             )
         return processed
@@ -206,6 +209,8 @@ class OutputProcessor:
         """Detokenizes the new tokens; returns this step's completion, or None when nothing changed or, under
         "final", the request is not finished."""
         detokenizer = state.detokenizer
+        if state.parent.first_token_time is None and engine_core_output.new_token_ids:
+            state.parent.first_token_time = time.monotonic()
         num_tokens_before = detokenizer.num_output_tokens
         new_token_ids = engine_core_output.new_token_ids
         # A "stop" on an EOS or stop_token_ids token (not a grammar's end on a content token): its text is left out.

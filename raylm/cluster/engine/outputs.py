@@ -58,6 +58,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # What the engine's KV connector says of the finished request (a prefill's: where its KV is to be taken from).
     kv_transfer_params: dict[str, Any] | None = None
+    # time.monotonic() when its first token came out of the engine (vLLM's RequestMetrics.first_token_time): a
+    # "final" output is the request's only one, so its consumer cannot time the first token itself.
+    first_token_time: float | None = None
 
 
 @dataclass

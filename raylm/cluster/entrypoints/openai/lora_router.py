@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from raylm.cluster.engine.async_llm import AsyncLLM
+from raylm.cluster.engine.output_processor import RequestOutputKind
 from raylm.cluster.engine.outputs import PoolingRequestOutput, RequestOutput
 from raylm.cluster.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard
 from raylm.cluster.entrypoints.openai.protocol_embedding import EmbeddingRequest, EmbeddingResponse
@@ -38,9 +39,10 @@ class AdapterEngine:
     async def wait_until_ready(self) -> None:
         await self.engine.wait_until_ready()
 
-    def generate(self, request_id: str, prompt: Any, params: SamplingParams,
-                 priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
-        return self.engine.generate(request_id, prompt, params, priority, lora_request=self.lora_request)
+    def generate(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0,
+                 output_kind: RequestOutputKind = "delta") -> AsyncGenerator[RequestOutput, None]:
+        return self.engine.generate(request_id, prompt, params, priority, lora_request=self.lora_request,
+                                    output_kind=output_kind)
 
     async def encode(self, request_id: str, prompt: Any, pooling_params: PoolingParams,
                      priority: int = 0) -> PoolingRequestOutput:
