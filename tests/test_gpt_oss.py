@@ -148,7 +148,7 @@ def test_sinks_decide_the_output(checkpoint: Path, reference: Result, tmp_path: 
     weights = load_file(sinkless / "model.safetensors")
     weights = {name: t.fill_(-1e4) if name.endswith("sinks") else t for name, t in weights.items()}
     save_file(weights, sinkless / "model.safetensors", metadata={"format": "pt"})
-    assert [t for t, _ in hf_greedy(sinkless, prompts(), MAX_TOKENS)] != [t for t, _ in reference]
+    assert hf_greedy(sinkless, prompts()[2:], MAX_TOKENS)[0][0] != reference[2][0]  # one prompt, the longest, shows it
 
 
 def test_tp2_pp2_on_ray_matches_single_device(ray_cluster: Any, checkpoint: Path, single_device: Result) -> None:
