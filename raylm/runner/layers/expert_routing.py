@@ -49,18 +49,20 @@ class DeepseekRouting:
     def __call__(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = router_logits.float()
         num_tokens, num_experts = logits.shape
+        # Explicit sizes, not -1: an expert-parallel TP rank may route a slice of no tokens.
+        grouped = (num_tokens, self.n_group, num_experts // self.n_group)
         if self.topk_method == "noaux_tc":
             assert self.e_score_correction_bias is not None, "noaux_tc routing needs e_score_correction_bias"
             scores = logits.sigmoid()
             choice = scores + self.e_score_correction_bias.float()
-            group_scores = choice.view(num_tokens, self.n_group, -1).topk(2, dim=-1).values.sum(dim=-1)
+            group_scores = choice.view(grouped).topk(2, dim=-1).values.sum(dim=-1)
             choice = choice.masked_fill(~_group_mask(choice, group_scores, self.topk_group), float("-inf"))
             topk_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
             topk_weights = scores.gather(1, topk_ids)
         else:
             scores = logits.softmax(dim=-1)
             if self.topk_method == "group_limited_greedy":
-                group_scores = scores.view(num_tokens, self.n_group, -1).max(dim=-1).values
+                group_scores = scores.view(grouped).max(dim=-1).values
                 scores = scores.masked_fill(~_group_mask(scores, group_scores, self.topk_group), 0.0)
             topk_weights, topk_ids = scores.topk(self.top_k, dim=-1, sorted=False)
         if self.norm_topk_prob:
