@@ -118,9 +118,8 @@ class MLAAttention(Attention):
         cache = self.kv_cache.flatten(0, 1)  # [slots, L + R]
         lora = self.kv_lora_rank  # the latent goes in as write_kv's "key", the rope key as its "value"
         write_kv(cache[:, None, :lora], cache[:, None, lora:], plan.slot_mapping, kv_c_normed[:, None], k_pe[:, None])
-        n = plan.num_actual_tokens
-        output = q.new_zeros(q.shape[0], self.num_heads * self.v_head_dim) if n < q.shape[0] else \
-            q.new_empty(q.shape[0], self.num_heads * self.v_head_dim)
+        output = q.new_empty(q.shape[0], self.num_heads * self.v_head_dim)
+        output[plan.num_actual_tokens:].zero_()  # padding rows
         for group in plan.groups:  # at most three kinds of request, not a loop over requests
             if group.block_table is None:  # fresh prompts: their own new entries
                 keys = new_kv[group.query_index]
