@@ -22,10 +22,10 @@ HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 2, 16, 4
 
 def old_decode_graph(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                      metadata: DecodeGraphMetadata, scale: float, sliding_window: int | None = None,
-                     logits_soft_cap: float | None = None) -> torch.Tensor:
+                     logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The replaced decode, as it was: K/V gathered over the whole block-table width for every request (no window,
-    no soft-cap: the Llama model served here has neither)."""
-    assert sliding_window is None and logits_soft_cap is None
+    no soft-cap, no sinks: the Llama model served here has none)."""
+    assert sliding_window is None and logits_soft_cap is None and sinks is None
     buffers = metadata.buffers
     block_size = kv_cache.shape[2]
     key_cache, value_cache = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)
