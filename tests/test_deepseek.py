@@ -233,9 +233,15 @@ def test_routing_of_no_tokens() -> None:
         assert weights.shape == ids.shape == (0, 2)
 
 
-def test_unknown_topk_method_is_refused() -> None:
+def test_routing_settings_that_cannot_run_are_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="topk_method: 'sqrtsoftplus' is not supported"):
         DeepseekRouting(2, "sqrtsoftplus", 1, 1, False, 1.0)
+    changed = tmp_path / "three_groups"
+    shutil.copytree(checkpoints["v2"], changed)
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "n_group": 3}))
+    with pytest.raises(ValueError, match="n_group: 3 groups cannot split n_routed_experts=8 evenly"):
+        LLM(model=str(changed), **ENGINE)
 
 
 def test_tp2_pp2_ep_on_ray_matches_single_device(ray_cluster: Any, checkpoints: dict[str, Path],

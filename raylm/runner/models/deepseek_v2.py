@@ -104,13 +104,16 @@ class DeepseekV2MoE(nn.Module):
 
     def __init__(self, config: PretrainedConfig, topk_method: str) -> None:
         super().__init__()
-        num_experts = config.n_routed_experts
+        num_experts, n_group = config.n_routed_experts, config.n_group or 1
+        if topk_method != "greedy" and num_experts % n_group:
+            raise ValueError(f"n_group: {n_group} groups cannot split n_routed_experts={num_experts} evenly "
+                             f"({topk_method} routing picks whole groups); use a divisor of {num_experts}")
         self.gate = nn.Linear(config.hidden_size, num_experts, bias=False)
         bias = None
         if topk_method == "noaux_tc":  # float32 as transformers keeps it: it only orders near-equal scores
             bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
             self.gate.register_parameter("e_score_correction_bias", bias)
-        routing = DeepseekRouting(config.num_experts_per_tok, topk_method, config.n_group or 1,
+        routing = DeepseekRouting(config.num_experts_per_tok, topk_method, n_group,
                                   config.topk_group or 1, bool(config.norm_topk_prob),
                                   float(config.routed_scaling_factor), bias)
         self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size,
