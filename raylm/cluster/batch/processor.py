@@ -58,8 +58,9 @@ def map_through_replicas(dataset: ray.data.Dataset, udf: type, constructor_kwarg
         batch_size=config.batch_size,
         batch_format="pyarrow",
         zero_copy_batch=True,
-        compute=ray.data.ActorPoolStrategy(min_size=min_size, max_size=max_size,
-                                           max_tasks_in_flight_per_actor=config.max_concurrent_batches),
+        # Ray Data queues 2 x max_concurrency tasks per replica (ray.data.llm's default too): a pool grows only once
+        # its replicas' queues pass 1.75 x max_concurrency, so capping them at max_concurrency kept it at min_size.
+        compute=ray.data.ActorPoolStrategy(min_size=min_size, max_size=max_size),
         max_concurrency=config.max_concurrent_batches,  # the replica runs them all at once (an async UDF)
         **remote_args,
     )
