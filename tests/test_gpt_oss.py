@@ -136,9 +136,23 @@ def test_backends_with_sinks() -> None:
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_greedy_matches_transformers(backend: str, checkpoint: Path, reference: Result,
                                      single_device: Result) -> None:
-    """Chunked prefill (the 45-token prompt in two steps, the second over cached context) and decodes, windowed."""
-    ours = single_device if backend == "cpu" else run(checkpoint, attention_backend=backend)
+    """Chunked prefill (the 45-token prompt in two steps, the second over cached context) and decodes, windowed; the
+    torch backend with plain-torch layers (custom_ops none), as where raylm's CPU kernels do not run."""
+    ours = single_device if backend == "cpu" else run(checkpoint, attention_backend=backend, custom_ops="none")
     assert_matches(reference, ours, f"gpt_oss/{backend}")
+
+
+def test_one_step_prefill_and_prefix_caching(checkpoint: Path, reference: Result) -> None:
+    """Whole prompts in one step (the kernel's fresh-prompt tasks), then the same prompts again from the prefix cache:
+    their last chunk attends through its window, sinks included, over cached blocks."""
+    llm = LLM(model=str(checkpoint), **{**ENGINE, "max_num_batched_tokens": 256, "enable_prefix_caching": True})
+    try:
+        runs = [llm.generate([{"prompt_token_ids": p} for p in prompts()], PARAMS, use_tqdm=False) for _ in range(2)]
+    finally:
+        llm.shutdown()
+    for outputs, name in zip(runs, ("one_step", "prefix_cached"), strict=True):
+        assert_matches(reference, [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs], name)
+    assert runs[1][-1].num_cached_tokens > 0
 
 
 def test_sinks_decide_the_output(checkpoint: Path, reference: Result, tmp_path: Path) -> None:
