@@ -57,7 +57,8 @@ inline float softmax_row(float* scores, int64_t first, int64_t n, int64_t stride
 // to out_rows[r]. `sinks` (null: none) holds the sink logit of each of the task's G query heads.
 template <typename T>
 void attend_rows(const float* q_rows, int64_t rows, int64_t group, int64_t first_pos, int64_t window,
-                 float soft_cap, const float* sinks, const KvTiles<T>& tiles, std::vector<float>& scores, float* acc, T* const* out_rows) {
+                 float soft_cap, const float* sinks, const KvTiles<T>& tiles, std::vector<float>& scores, float* acc,
+                 T* const* out_rows) {
   const int64_t head_size = tiles.head_size, block_size = tiles.block_size;
   const int64_t num_keys = first_pos + (rows - 1) / group + 1;  // keys the last row sees
   auto first_key = [&](int64_t row) {  // the first key row `row` sees
