@@ -50,10 +50,11 @@ def http_url(llama_path: Path, ray_metrics_port: int) -> Iterator[str]:
         start_serve("127.0.0.1", port)
         application = yaml.safe_load(PD_CONFIG.read_text())["applications"][0]
         args = {side: {**settings, "model": str(llama_path)} for side, settings in application["args"].items()}
-        serve.run(build_pd_openai_app(args), name="pd", route_prefix="/pd")
-        serve.run(build_app({"config": "raylm/configs/tiny.yaml", "model": str(llama_path),
-                             "served_model_name": "routed", "min_replicas": 2, "max_replicas": 2}),
-                  name="routed", route_prefix="/routed")
+        routed = build_app({"config": "raylm/configs/tiny.yaml", "model": str(llama_path),
+                            "served_model_name": "routed", "min_replicas": 2, "max_replicas": 2})
+        # Both apps at once: their replicas start side by side instead of one app after the other.
+        serve.run_many([serve.RunTarget(build_pd_openai_app(args), name="pd", route_prefix="/pd"),
+                        serve.RunTarget(routed, name="routed", route_prefix="/routed")])
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
