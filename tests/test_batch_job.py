@@ -12,6 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +58,9 @@ def head_node(ray_env: dict[str, str]) -> Iterator[str]:
     address = f"http://127.0.0.1:{dashboard}"
     try:
         deadline = time.monotonic() + 120
+        while not _answers(f"{address}/api/version"):  # cheaper to ask than `ray job list`, a Python start each
+            assert head.poll() is None and time.monotonic() < deadline, "the head node did not come up"
+            time.sleep(0.5)
         while subprocess.run([RAY, "job", "list", "--address", address], env=ray_env,
                              capture_output=True).returncode != 0:
             assert head.poll() is None and time.monotonic() < deadline, "the head node did not come up"
@@ -68,6 +73,17 @@ def head_node(ray_env: dict[str, str]) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _answers(url: str) -> bool:
+    """Whether an HTTP server answers at `url` (any status: the dashboard may ask for the token)."""
+    try:
+        urllib.request.urlopen(url, timeout=5).close()
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def prompt_of(i: int) -> str:
