@@ -11,8 +11,9 @@ import pytest
 
 from raylm.cluster.engine.async_llm import AsyncLLM
 from raylm.cluster.engine.outputs import EngineDeadError, RequestOutput
+from raylm.cluster.engine.stats import IterationStats, SchedulerStats
 from raylm.common.sampling_params import SamplingParams
-from raylm.configs import make_engine_config
+from raylm.configs import EngineConfig, make_engine_config
 
 
 def _async_llm(model: Path) -> AsyncLLM:
@@ -79,6 +80,43 @@ def test_final_only_output_is_the_whole_stream(llm: AsyncLLM) -> None:
 
 async def _collect_final(outputs: Any) -> list[RequestOutput]:
     return [output async for output in outputs]
+
+
+class RecordingStatLogger:
+    """A stat logger keeping what the engine thread reports (its figures feed the metrics and the log line)."""
+
+    def __init__(self) -> None:
+        self.iterations: list[IterationStats] = []
+
+    def engine_started(self, config: EngineConfig) -> None:
+        pass
+
+    def record(self, engine_index: int, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.iterations.append(iteration_stats)
+
+
+def test_final_only_request_metrics_time_its_first_token(llm: AsyncLLM) -> None:
+    """A non-streamed OpenAI response takes a final output only: its time to first token and decode time still come
+    from its first token, not from the one output at the end."""
+    recorder = RecordingStatLogger()
+    llm.stat_loggers.append(recorder)
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        outputs = asyncio.run(_collect_final(_ready_then(llm, llm.generate("timed", "Once", params,
+                                                                           output_kind="final"))))
+    finally:
+        llm.stat_loggers.remove(recorder)
+    assert len(outputs) == 1
+    [ttft] = [t for iteration in recorder.iterations for t in iteration.time_to_first_tokens]
+    [finished] = [f for iteration in recorder.iterations for f in iteration.finished_requests]
+    assert finished.num_generation_tokens == 16 and finished.decode_time > 0
+    assert 0 < ttft < finished.e2e_latency and ttft + finished.decode_time == pytest.approx(finished.e2e_latency)
+
+
+async def _ready_then(llm: AsyncLLM, outputs: Any) -> Any:
+    await llm.wait_until_ready()
+    async for output in outputs:
+        yield output
 
 
 def test_bad_input_fails_only_its_request(llm: AsyncLLM) -> None:
