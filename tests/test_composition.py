@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,7 +189,11 @@ def _open_client(cell: Cell, models: Models, serve_port: int, settings: dict[str
     if cell.frontend == "http":
         return http_client(settings)
     app = build_openai_app(make_engine_config(**settings))
-    serve.run(app, name="composition", route_prefix="/")
+    deadline = time.monotonic() + 120
+    while serve.status().applications:  # the last serve cell's, deleted without waiting
+        assert time.monotonic() < deadline, f"the last serve cell's app is not deleted: {serve.status()}"
+        time.sleep(0.2)
+    serve.run(app, name=cell.id, route_prefix="/")
     client = HttpClient(f"http://127.0.0.1:{serve_port}/v1", "")
     client.model = client.client.models.list().data[0].id
     return client
@@ -197,7 +202,8 @@ def _open_client(cell: Cell, models: Models, serve_port: int, settings: dict[str
 def _close_client(cell: Cell, client: OfflineClient | HttpClient) -> None:
     client.close()
     if cell.frontend == "serve":
-        serve.delete("composition")
+        # Not waited for here (a few seconds a cell): the cells between two serve cells run meanwhile.
+        serve.delete(cell.id, _blocking=False)
 
 
 @pytest.mark.parametrize("cell", WORKING_CELLS, ids=[cell.id for cell in WORKING_CELLS])
