@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from raylm.cluster.engine.config_resolver import resolve_engine_config
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.cluster.serve.app import build_openai_app, start_serve
-from raylm.configs import make_engine_config
+from raylm.configs import make_engine_config, model_info
 from scripts.composition_table import composition_markdown
 from tests.composition_paths import (
     BASE_SETTINGS,
@@ -172,7 +172,10 @@ def _stop_string(reference: Any) -> str:
 
 def _check(feature: str, weights: str, ours: Any, plain: Any) -> None:
     if feature == "logprobs":
-        tolerance = 5e-2 if weights == "bfloat16" else 2e-3
+        # bfloat16 activations: bfloat16 weights, and quantized ones under dtype auto on a CPU with bfloat16 dot
+        # products, whose plans may pick kernels that differ in rounding from rank to rank (threads per worker).
+        bf16 = weights == "bfloat16" or (weights != "float32" and model_info.cpu_multiplies_bf16())
+        tolerance = 5e-2 if bf16 else 2e-3
         for (text, logprobs), (ref_text, ref_logprobs) in zip(ours, plain):
             assert text == ref_text
             assert all(abs(a - b) <= tolerance for a, b in zip(logprobs, ref_logprobs, strict=True))

@@ -114,13 +114,15 @@ void decode_panel(const uint8_t* w, int64_t nblocks, int64_t n, int64_t n0, uint
 }
 
 // x [m, k] bfloat16 as B tiles: for x-row block r (16 rows) and k block b (32 features), 16 rows of 16 pairs,
-// pair j of row p = x[16 r + j][32 b + 2 p, + 1]. Rows of x past m (to a whole block) are zeros.
-inline std::vector<uint32_t> pack_x(const uint16_t* x, int64_t m, int64_t k, int64_t xblocks) {
+// pair j of row p = x[16 r + j][32 b + 2 p, + 1]. Rows of x past m (to a whole block) are zeros. Tile rows are
+// cache lines (torch's allocations are 64-byte aligned): a tile load that splits lines runs at half speed.
+inline torch::Tensor pack_x(const uint16_t* x, int64_t m, int64_t k, int64_t xblocks) {
   const int64_t kblocks = k / kBlock;
-  std::vector<uint32_t> packed(xblocks * kblocks * kTile * kTile, 0);
+  torch::Tensor packed = torch::zeros({xblocks * kblocks * kTile * kTile}, torch::kInt32);
   for (int64_t row = 0; row < m; ++row) {
     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x + row * k);
-    uint32_t* dst = packed.data() + (row / kTile) * kblocks * kTile * kTile + row % kTile;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>()) +
+                    (row / kTile) * kblocks * kTile * kTile + row % kTile;
     for (int64_t pair = 0; pair < k / 2; ++pair) dst[(pair / kTile) * kTile * kTile + (pair % kTile) * kTile] = pairs[pair];
   }
   return packed;
@@ -177,22 +179,25 @@ inline void panel_products(const uint16_t* panel, int64_t k, const uint32_t* b0,
 template <class B>
 void amx_gemm(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, uint16_t* y) {
   const int64_t kblocks = k / kBlock, xblocks = (m + kTile - 1) / kTile;
-  const std::vector<uint32_t> packed = pack_x(x, m, k, xblocks);
+  const torch::Tensor packed_x = pack_x(x, m, k, xblocks);
+  const uint32_t* packed = reinterpret_cast<const uint32_t*>(packed_x.data_ptr<int32_t>());
   const int64_t btile = kTile * kTile, panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles();
-    std::vector<uint16_t> panel(kPanel * k);
+    // Rows of k bfloat16, a multiple of 64 bytes (k is of whole 32-weight blocks), from an aligned start.
+    const torch::Tensor panel_buffer = torch::empty({kPanel * k}, torch::kInt16);
+    uint16_t* panel = reinterpret_cast<uint16_t*>(panel_buffer.data_ptr<int16_t>());
     alignas(64) float c[4][kTile * kTile];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
-      decode_panel<B>(w, kblocks, n, n0, panel.data());
+      decode_panel<B>(w, kblocks, n, n0, panel);
       for (int64_t xb = 0; xb < xblocks; xb += 2) {
-        const uint32_t* b0 = packed.data() + xb * kblocks * btile;
+        const uint32_t* b0 = packed + xb * kblocks * btile;
         const bool pair = xb + 1 < xblocks;
         if (pair) {
-          panel_products<2>(panel.data(), k, b0, c);
+          panel_products<2>(panel, k, b0, c);
         } else {
-          panel_products<1>(panel.data(), k, b0, c);
+          panel_products<1>(panel, k, b0, c);
         }
         for (int half = 0; half < 2 && n0 + half * kTile < n; ++half) {
           write_tile(c[half], bias, n, n0 + half * kTile, m, xb * kTile, y);
