@@ -162,6 +162,23 @@ def test_cpu_backend_matches_torch_backend(query_lens: list[int], seq_lens: list
     assert torch.equal(cpu_cache, _logical_to_cpu_layout(logical))  # both wrote the same new K/V
 
 
+def _paged_step(query_lens: list[int], seq_lens: list[int], heads: tuple[int, int, int], seed: int
+                ) -> tuple[Any, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A step's metadata over random block tables, a random KV cache in the torch backend's layout and the CPU
+    kernel's, and the step's query, key and value."""
+    num_heads, kv_heads, head_size = heads
+    generator = torch.Generator().manual_seed(seed)
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    block_tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
+    common, _ = make_common_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
+    logical = torch.randn(TorchAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_size),
+                          generator=generator)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_size, generator=generator)
+    key, value = (torch.randn(num_tokens, kv_heads, head_size, generator=generator) for _ in range(2))
+    return common, logical, _logical_to_cpu_layout(logical), (query, key, value)
+
+
 @pytest.mark.parametrize(("window", "cap"), [(5, None), (17, 0.5), (40, None), (None, 0.5)])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 80)], ids=lambda h: "q{}-kv{}-d{}".format(*h))
 @pytest.mark.parametrize(("query_lens", "seq_lens"), [
@@ -176,17 +193,8 @@ def test_cpu_backend_window_and_cap_match_torch_backend(query_lens: list[int], s
     """A sliding window (shorter than a tile, across tiles, over whole sequences) and a logit soft-cap: the kernel
     skips the tiles before every row's window, which the torch backend (checked against a naive reference in
     test_attention_sliding.py) masks."""
-    num_heads, kv_heads, head_size = heads
-    generator = torch.Generator().manual_seed(1)
-    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
-    block_tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
-    common, _ = make_common_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
-    logical = torch.randn(TorchAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_size),
-                          generator=generator)
-    cpu_cache = _logical_to_cpu_layout(logical)
-    num_tokens = sum(query_lens)
-    query = torch.randn(num_tokens, num_heads, head_size, generator=generator) * 3  # sharp: the cap matters
-    key, value = (torch.randn(num_tokens, kv_heads, head_size, generator=generator) for _ in range(2))
+    common, logical, cpu_cache, (query, key, value) = _paged_step(query_lens, seq_lens, heads, seed=1)
+    query = query * 3  # sharp: the cap matters
     torch_backend, cpu_backend = TorchAttentionBackend(), CPUAttentionBackend()
     expected = torch_backend.forward(query, key, value, logical, torch_backend.build(common), 0.3,
                                      sliding_window=window, logits_soft_cap=cap)
@@ -202,17 +210,7 @@ def test_cpu_backend_sinks_match_torch_backend(query_lens: list[int], seq_lens: 
     """GPT-OSS's attention sinks (a logit per query head in each softmax's denominator), alone and with a window or
     a cap, on decodes, chunks and a prompt: some sinks far above the scores (a row's weights nearly vanish), some far
     below (nearly no effect)."""
-    num_heads, kv_heads, head_size = 8, 2, 64
-    generator = torch.Generator().manual_seed(2)
-    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
-    block_tables = [[free.pop() for _ in range(-(-s // BLOCK_SIZE))] for s in seq_lens]
-    common, _ = make_common_metadata(query_lens, seq_lens, block_tables, BLOCK_SIZE)
-    logical = torch.randn(TorchAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_size),
-                          generator=generator)
-    cpu_cache = _logical_to_cpu_layout(logical)
-    num_tokens = sum(query_lens)
-    query = torch.randn(num_tokens, num_heads, head_size, generator=generator)
-    key, value = (torch.randn(num_tokens, kv_heads, head_size, generator=generator) for _ in range(2))
+    common, logical, cpu_cache, (query, key, value) = _paged_step(query_lens, seq_lens, (8, 2, 64), seed=2)
     sinks = torch.tensor([-20.0, -1.0, 0.0, 0.5, 1.0, 2.0, 4.0, 20.0])
     torch_backend, cpu_backend = TorchAttentionBackend(), CPUAttentionBackend()
     expected = torch_backend.forward(query, key, value, logical, torch_backend.build(common), 0.3,
