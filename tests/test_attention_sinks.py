@@ -1,6 +1,6 @@
 """Attention sinks (GPT-OSS: a learned logit per query head that joins each softmax's denominator) in the torch
 backend, every group kind, the decode-graph path and the cache-less dummy run, against a naive per-request reference
-(tests/test_cpu_kernels.py checks the cpu kernel against this backend, tests/test_attention_triton_sinks.py the
+(tests/test_cpu_kernels.py checks the cpu kernel against this backend, tests/test_attention_triton_features.py the
 Triton kernel)."""
 from __future__ import annotations
 
