@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention_sliding import BLOCK_SIZE, HEAD_SIZE, HEADS, KV_HEADS, NUM_BLOCKS, SCALE, _cache_and_tables, _cached
+from test_attention_sliding import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    HEADS,
+    KV_HEADS,
+    SCALE,
+    _cache_and_tables,
+    _cached,
+    decode_graph_step,
+)
 from test_attention_torch import make_common_metadata
 
-from raylm.runner.attention.common import DecodeGraphBuffers
 from raylm.runner.attention.torch_backend import TorchAttentionBackend
 from raylm.runner.forward_context import set_forward_context
 from raylm.runner.layers.attention import Attention
@@ -63,14 +71,7 @@ def test_decode_graph_path_matches_reference(window: int | None) -> None:
     """The fixed-buffer decode a CUDA graph captures (packed blocks, the request max from a scatter), padded to 4."""
     generator = torch.Generator().manual_seed(1)
     backend = TorchAttentionBackend()
-    seq_lens = [9, 2, 14]
-    kv_cache, tables = _cache_and_tables(seq_lens, generator)
-    width = max(len(t) for t in tables)
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width], dtype=torch.int32)
-    common, _ = make_common_metadata([1, 1, 1], seq_lens, tables, BLOCK_SIZE)
-    buffers = DecodeGraphBuffers(torch.cat([common.slot_mapping, torch.tensor([-1])]),
-                                 torch.tensor([*seq_lens, 1], dtype=torch.int32), torch.arange(5, dtype=torch.int32),
-                                 block_table, scratch_slot=NUM_BLOCKS * BLOCK_SIZE - 1)
+    seq_lens, kv_cache, tables, buffers = decode_graph_step(generator)
     query = torch.randn(4, HEADS, HEAD_SIZE, generator=generator) * 3
     key, value = (torch.randn(4, KV_HEADS, HEAD_SIZE, generator=generator) for _ in range(2))
     output = backend.forward(query, key, value, kv_cache, backend.build_decode_graph(buffers), SCALE,

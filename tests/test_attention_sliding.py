@@ -75,11 +75,10 @@ def test_window_and_cap_match_reference(query_lens: list[int], seq_lens: list[in
     assert not torch.allclose(expected, plain, atol=1e-3)  # the window or the cap changed something
 
 
-@pytest.mark.parametrize(("window", "cap"), [(3, None), (6, 0.5)])
-def test_decode_graph_path_matches_reference(window: int, cap: float | None) -> None:
-    """The fixed-buffer decode a CUDA graph captures (packed blocks), padded to 4 requests."""
-    generator = torch.Generator().manual_seed(1)
-    backend = TorchAttentionBackend()
+def decode_graph_step(generator: torch.Generator
+                      ) -> tuple[list[int], torch.Tensor, list[list[int]], DecodeGraphBuffers]:
+    """Three decodes (9, 2 and 14 keys) padded to 4 requests in a CUDA graph's fixed buffers, over a random cache:
+    (seq_lens, kv_cache, block tables, buffers)."""
     seq_lens = [9, 2, 14]
     kv_cache, tables = _cache_and_tables(seq_lens, generator)
     width = max(len(t) for t in tables)
@@ -90,6 +89,15 @@ def test_decode_graph_path_matches_reference(window: int, cap: float | None) -> 
                                  torch.arange(5, dtype=torch.int32), block_table,
                                  scratch_slot=NUM_BLOCKS * BLOCK_SIZE - 1)
     assert decode_capacity(4, width, NUM_BLOCKS) > sum(len(t) for t in tables)
+    return seq_lens, kv_cache, tables, buffers
+
+
+@pytest.mark.parametrize(("window", "cap"), [(3, None), (6, 0.5)])
+def test_decode_graph_path_matches_reference(window: int, cap: float | None) -> None:
+    """The fixed-buffer decode a CUDA graph captures (packed blocks), padded to 4 requests."""
+    generator = torch.Generator().manual_seed(1)
+    backend = TorchAttentionBackend()
+    seq_lens, kv_cache, tables, buffers = decode_graph_step(generator)
     query = torch.randn(4, HEADS, HEAD_SIZE, generator=generator) * 3
     key, value = (torch.randn(4, KV_HEADS, HEAD_SIZE, generator=generator) for _ in range(2))
     output = backend.forward(query, key, value, kv_cache, backend.build_decode_graph(buffers), SCALE,
