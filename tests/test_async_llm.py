@@ -104,6 +104,10 @@ def test_final_only_request_metrics_time_its_first_token(llm: AsyncLLM) -> None:
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         outputs = asyncio.run(_collect_final(_ready_then(llm, llm.generate("timed", "Once", params,
                                                                            output_kind="final"))))
+        # The engine thread records a step's stats after it hands out the step's outputs.
+        deadline = time.monotonic() + 10
+        while not any(it.finished_requests for it in recorder.iterations) and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         llm.stat_loggers.remove(recorder)
     assert len(outputs) == 1
