@@ -104,9 +104,10 @@ class AsyncLLM:
                        lora_request: LoRARequest | None = None,
                        output_kind: RequestOutputKind = "delta") -> AsyncGenerator[RequestOutput, None]:
         """Yields delta outputs until the request finishes; with output_kind="final" (vLLM's FINAL_ONLY) only the
-        finished one, whole: a consumer that wants the result alone (a batch replica, a response not streamed) then
-        wakes once per request instead of once per token. Bad input raises ValueError; stopping the iteration early
-        (a cancelled or disconnected consumer) aborts the request and frees its blocks."""
+        finished one, whole: a consumer that wants the result alone (a batch replica) then wakes once per request
+        instead of once per token; its stats keep the time to first token but have no inter-token latencies. Bad
+        input raises ValueError; stopping the iteration early (a cancelled or disconnected consumer) aborts the
+        request and frees its blocks."""
         async for output in self._outputs(request_id, prompt, params, priority, lora_request, output_kind):
             assert isinstance(output, RequestOutput)
             yield output

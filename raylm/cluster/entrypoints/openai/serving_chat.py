@@ -56,8 +56,7 @@ class OpenAIServingChat(OpenAIServing):
                 or reasoning is not None and reasoning.reads_special_tokens):
             params.skip_special_tokens = False  # the markers must stay in the text (vLLM's adjust_request)
         request_id = random_id("chatcmpl")
-        outputs = self.engine.generate(request_id, prompt, params, request.priority or 0,
-                                       output_kind="delta" if request.stream else "final")
+        outputs = self.engine.generate(request_id, prompt, params, request.priority or 0)
         if request.stream:
             return self._stream(request, request_id, params.n, outputs, constraint)
         return await self._collect(request, request_id, outputs, constraint)

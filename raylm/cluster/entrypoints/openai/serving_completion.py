@@ -41,8 +41,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params.structured_outputs = request_constraint(request, self.engine.engine_config).structured_outputs
         request_id = random_id("cmpl")
         priority = request.priority or 0
-        outputs = merge_async_iterators(*[self.engine.generate(f"{request_id}-{i}", prompt, params, priority,
-                                                               output_kind="delta" if request.stream else "final")
+        # Deltas even when not streamed: the server's metrics time every token (a final-only output has no ITL).
+        outputs = merge_async_iterators(*[self.engine.generate(f"{request_id}-{i}", prompt, params, priority)
                                           for i, prompt in enumerate(prompts)])
         if request.stream:
             return self._stream(request, request_id, params.n, outputs)
