@@ -1,7 +1,8 @@
 // y = x W^T for bfloat16 x [M, K] and W [N, K] in ggml blocks, on AMX tiles: each panel of 32 weight rows is decoded
 // once to bfloat16 into a buffer that stays in L1/L2, then multiplied by every row of x with AMX's bfloat16 tile
-// products (float32 sums). A decode step at 8-64 rows reads the blocks (0.56-1.06 bytes a weight) instead of a
-// bfloat16 copy (2 bytes), which is what bounds it on a memory-starved CPU; AMX keeps the products cheap.
+// products (float32 sums). It reads the blocks (0.56-1.06 bytes a weight) instead of a bfloat16 copy (2 bytes): on a
+// Sapphire Rapids VM it beat oneDNN on that copy from 2 to 16-32 rows; past that the tile products cost more than the
+// bytes saved, and the GEMM plan keeps oneDNN there (docs/cpu-performance.md).
 //
 // The tile product C += A B takes A as 16 rows of 32 bfloat16 and B as 16 rows of 16 bfloat16 pairs (VNNI), so
 // C[i][j] = sum_k A[i][k] B'[k][j]. A is the decoded weight panel as it lies (row = output feature), B is x packed
