@@ -2,8 +2,9 @@
 checkpoint and a LoRA adapter served from s3:// (offline, and over HTTP with the adapter found on demand under a
 dynamic_lora_loading_path) give transformers' and PEFT's tokens from the local folder, their copies byte-identical; a
 Ray worker on a node whose cache lacks the copies fetches its own (model and draft); two processes fetching at once
-make one download; a download killed half-way is continued from its part; an object changed in the bucket is fetched
-again; bad URIs, missing objects and missing credentials are refused naming the field."""
+make one download; a download killed half-way is continued from its part, and fetched again whole when the continued
+bytes do not hash to the ETag; an object changed in the bucket is fetched again; bad URIs, missing objects and
+missing credentials are refused naming the field."""
 from __future__ import annotations
 
 import json
@@ -160,10 +161,8 @@ def test_two_processes_fetching_at_once_download_once(s3: S3, llama_path: Path, 
     assert {name: len(s3.gets(f"tiny-llama/{name}")) - n for name, n in before.items()} == dict.fromkeys(before, 1)
 
 
-def test_a_download_killed_half_way_is_continued(s3: S3, llama_path: Path, cache: Path) -> None:
-    """A process killed in its third 4 KiB request of the weights leaves the files before them done and 8 KiB of
-    the weights in a part; the next copy fetches only the rest of the weights, from byte 8192."""
-    uri = s3.upload(llama_path, "tiny-llama")
+def kill_half_way(uri: str) -> Path:
+    """Copy `uri` in a process killed in its third 4 KiB request of the weights; the copy's root."""
     script = textwrap.dedent(f"""
         import os, signal
         from raylm.common import object_storage
@@ -190,18 +189,48 @@ def test_a_download_killed_half_way_is_continued(s3: S3, llama_path: Path, cache
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == -9, result.stderr
-    root = copy_root(uri)
+    return copy_root(uri)
+
+
+def weights_gets(s3: S3, since: int) -> list[str | None]:
+    """The Range headers of the GETs of the weights since request `since`."""
+    return [rng for method, path, rng in s3.server.requests[since:]
+            if method == "GET" and path == f"/{BUCKET}/tiny-llama/model.safetensors"]
+
+
+def test_a_download_killed_half_way_is_continued(s3: S3, llama_path: Path, cache: Path) -> None:
+    """A process killed in its third 4 KiB request of the weights leaves the files before them done and 8 KiB of
+    the weights in a part; the next copy fetches only the rest of the weights, from byte 8192."""
+    uri = s3.upload(llama_path, "tiny-llama")
+    root = kill_half_way(uri)
     assert not (root / "tiny-llama" / "model.safetensors").exists()  # a half-written file is never in the copy
     assert (root / "partial" / "model.safetensors").stat().st_size == 8192
     assert (root / "tiny-llama" / "config.json").read_bytes() == (llama_path / "config.json").read_bytes()
 
     before = len(s3.server.requests)
     copy = local_copy(uri, "model")
-    resumed = [(path, rng) for method, path, rng in s3.server.requests[before:] if method == "GET" and "?" not in path]
     weights_size = (llama_path / "model.safetensors").stat().st_size
-    assert (f"/{BUCKET}/tiny-llama/model.safetensors", f"bytes=8192-{weights_size - 1}") in resumed
-    assert not any(path == f"/{BUCKET}/tiny-llama/config.json" for path, _ in resumed)
+    assert weights_gets(s3, before) == [f"bytes=8192-{weights_size - 1}"]
+    assert not any(method == "GET" and path == f"/{BUCKET}/tiny-llama/config.json"
+                   for method, path, _ in s3.server.requests[before:])
     assert files_of(copy) == files_of(llama_path) and not any((root / "partial").rglob("*.safetensors"))
+
+
+def test_a_continued_download_that_does_not_hash_to_its_etag_is_fetched_again(s3: S3, llama_path: Path,
+                                                                              cache: Path) -> None:
+    """A part whose bytes went bad on disk: the continued object's MD5 is not its ETag, so it is fetched again
+    whole and the copy is the bucket's."""
+    uri = s3.upload(llama_path, "tiny-llama")
+    part = kill_half_way(uri) / "partial" / "model.safetensors"
+    damaged = bytearray(part.read_bytes())
+    damaged[100] ^= 0xFF
+    part.write_bytes(bytes(damaged))
+
+    before = len(s3.server.requests)
+    copy = local_copy(uri, "model")
+    weights_size = (llama_path / "model.safetensors").stat().st_size
+    assert weights_gets(s3, before) == [f"bytes=8192-{weights_size - 1}", f"bytes=0-{weights_size - 1}"]
+    assert files_of(copy) == files_of(llama_path)
 
 
 def test_objects_changed_or_deleted_in_the_bucket_change_the_copy(s3: S3, llama_path: Path, tmp_path: Path) -> None:

@@ -8,14 +8,17 @@ A copy lives in <cache>/object-storage/<key of the URI>/: `manifest.json` record
 `partial/` holds the downloads in progress and `<name>` (the URI's last part: a folder, or one file such as a .gguf)
 the finished files. A file reaches the copy only once its size matches the listing, by rename; a download cut off
 leaves its part and the part's ETag behind, and the next caller continues it while the object's ETag is unchanged
-(else fetches it again). Each call lists the objects (one request) so that an object changed in the bucket is
-fetched again.
+(else fetches it again); a continued object whose ETag is an MD5 (S3's, for an object put in one part) must hash to
+it, else it is fetched again from its first byte. Each call lists the objects (one request) so that an object changed
+in the bucket is fetched again.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +31,9 @@ SCHEMES = ("s3://", "gs://", "gcs://")
 CHUNK_BYTES = 64 << 20  # one ranged GET each: large enough to stream, small enough to hold in memory
 # gs:// needs the gcsfs release of the installed fsspec's version (s3fs, a dependency, pins fsspec)
 _PACKAGES = {"s3": "s3fs==2026.9.0", "gs": "gcsfs==<fsspec's version>", "gcs": "gcsfs==<fsspec's version>"}
+# An ETag that is the object's MD5: S3's for an object put in one part (a multipart one's ends in -<parts>; one
+# encrypted with a KMS or customer key has another, which a continued download then fetches again, whole).
+_MD5 = re.compile(r"[0-9a-f]{32}")
 _HINT = ("give s3://bucket/prefix (or gs://bucket/prefix) of objects that this machine's credentials can read: "
          "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an instance role), with AWS_ENDPOINT_URL "
          "for an S3-compatible server; GOOGLE_APPLICATION_CREDENTIALS for gs://")
@@ -196,7 +202,7 @@ def _done(copy: Path, rel: str, info: dict[str, Any], manifest: dict[str, Any]) 
 def _fetch(fs: Any, source: str, rel: str, info: dict[str, Any], root: Path, name: str,
            manifest: dict[str, Any]) -> None:
     """Download the object `source` into partial/, continuing a part fetched at the same ETag; rename it into the
-    copy once its size matches."""
+    copy once its size matches (and a continued one's MD5 its ETag, where that is an MD5)."""
     part = root / "partial" / (rel or name)
     target = root / name / rel if rel else root / name
     entry = manifest["files"].get(rel)
@@ -207,20 +213,36 @@ def _fetch(fs: Any, source: str, rel: str, info: dict[str, Any], root: Path, nam
     manifest["files"][rel] = {"size": info["size"], "etag": info["etag"], "done": False}
     _write_manifest(root, manifest)  # the part's ETag is on record before its first byte
     part.parent.mkdir(parents=True, exist_ok=True)
+    _download(fs, source, part, offset, info["size"])
+    if offset and _MD5.fullmatch(info["etag"]) and _md5(part) != info["etag"]:
+        print(f"raylm: {source}: the continued download does not hash to its ETag {info['etag']}; fetching it "
+              f"again from its first byte", file=sys.stderr, flush=True)
+        _download(fs, source, part, 0, info["size"])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(part, target)
+    manifest["files"][rel]["done"] = True
+    _write_manifest(root, manifest)
+
+
+def _download(fs: Any, source: str, part: Path, offset: int, size: int) -> None:
+    """The object's bytes from `offset` on appended to the first `offset` bytes of `part`."""
     with open(part, "r+b" if offset else "wb") as out:
         out.truncate(offset)
         out.seek(offset)
-        while offset < info["size"]:
-            length = min(CHUNK_BYTES, info["size"] - offset)
-            chunk = fs.cat_file(source, start=offset, end=offset + length)
+        while offset < size:
+            chunk = fs.cat_file(source, start=offset, end=offset + min(CHUNK_BYTES, size - offset))
             if not chunk:
                 break
             out.write(chunk)
             out.flush()  # a process killed now leaves the bytes it fetched
             offset += len(chunk)
-    if part.stat().st_size != info["size"]:
-        raise OSError(f"{source} ended at {part.stat().st_size} of its {info['size']} bytes")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(part, target)
-    manifest["files"][rel]["done"] = True
-    _write_manifest(root, manifest)
+    if part.stat().st_size != size:
+        raise OSError(f"{source} ended at {part.stat().st_size} of its {size} bytes")
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as file:
+        while block := file.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
