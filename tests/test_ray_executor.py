@@ -19,8 +19,9 @@ from raylm.cluster.engine.llm_engine import LLMEngine
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.common.outputs import SchedulerOutput
 from raylm.configs import ParallelConfig, add_engine_args, engine_args_from, make_engine_config
+from raylm.configs.bundles import engine_bundles
 from raylm.executor import Executor, UniProcExecutor
-from raylm.executor.placement import assign_ranks, engine_bundles
+from raylm.executor.placement import assign_ranks
 from raylm.executor.ray_executor import RayExecutor
 from raylm.executor.ray_worker import cuda_device_index
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy

@@ -19,19 +19,11 @@ from raylm.common.logger import show_info
 from raylm.common.parallel_layout import RankLayout
 from raylm.configs import ParallelConfig
 from raylm.configs.bundles import EngineBundles
-from raylm.configs.bundles import engine_bundles as layout_bundles
 from raylm.executor.cluster_resources import ClusterCapacity, check_fits, wait_until_ready
 
 logger = logging.getLogger(__name__)
 
 _LOCALHOST = "127.0.0.1"
-
-
-def engine_bundles(parallel_config: ParallelConfig, device: str, capacity: ClusterCapacity | None,
-                   num_engines: int = 1) -> EngineBundles:
-    """configs/bundles.py's layout on `capacity`'s nodes, for callers outside an engine's resolution (an engine
-    reads its resolved bundle_layout)."""
-    return layout_bundles(parallel_config, device, None if capacity is None else capacity.nodes, num_engines)
 
 
 def describe_engine(layout: EngineBundles, parallel_config: ParallelConfig) -> str:

@@ -1,7 +1,8 @@
 """What one processor replica asks Ray for: its engine's bundles, as a Serve replica does (serve/app.py). An engine
 that runs Ray workers (TP / PP, or the ray executor) gets a placement group per replica, created as Ray Data starts
 the replica; the replica takes bundle 0 (the engine's own) and its executor's workers the rest. An engine that
-computes in the replica's process asks for its device there."""
+computes in the replica's process asks for its device there. The device, the executor and the bundles are
+config_resolver.replica_deployment's, as a Serve replica's are: resolution decides them, nothing here."""
 from __future__ import annotations
 
 import functools
@@ -11,10 +12,10 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raylm.cluster.engine.config_resolver import decide_device
+from raylm.cluster.engine.config_resolver import replica_deployment
 from raylm.configs import EngineConfig
 from raylm.executor.cluster_resources import Bundle, ClusterCapacity, check_fits
-from raylm.executor.placement import describe_engine, engine_bundles
+from raylm.executor.placement import describe_engine
 
 _REPLICA_CPUS = 1.0  # the engine's own bundle; its CPU engine computes with every core of the process regardless
 
@@ -22,17 +23,16 @@ _REPLICA_CPUS = 1.0  # the engine's own bundle; its CPU engine computes with eve
 def replica_remote_args(config: EngineConfig, placement_group_config: dict[str, Any] | None) -> dict[str, Any]:
     """map_batches' Ray arguments for the replica actors; a placement group the cluster can never hold fails here,
     not as replicas pending forever."""
-    parallel = config.parallel_config
-    device = decide_device(config.model_config, parallel)
-    runs_workers = parallel.world_size > 1 or parallel.distributed_executor_backend == "ray"
+    parallel, deployment = config.parallel_config, replica_deployment(config)
+    runs_workers = deployment.executor_backend == "ray"
     if placement_group_config is not None:
         bundles, strategy = placement_group_config["bundles"], placement_group_config.get("strategy", "PACK")
         what = f"placement_group_config {placement_group_config}"
     elif runs_workers:
-        layout = engine_bundles(parallel, device, ClusterCapacity.current())
+        layout = deployment.bundle_layout
         bundles, strategy, what = layout.bundles, parallel.placement_group_strategy, describe_engine(layout, parallel)
     else:
-        return {"num_cpus": _REPLICA_CPUS, "num_gpus": 1 if device == "cuda" else 0}
+        return {"num_cpus": _REPLICA_CPUS, "num_gpus": 1 if deployment.device == "cuda" else 0}
     check_fits(bundles, strategy, what, ClusterCapacity.current())
     if not runs_workers:  # one process: its resources are the bundles' sum
         totals: Counter[str] = Counter()

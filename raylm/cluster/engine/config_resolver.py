@@ -4,7 +4,8 @@ the checkpoint (model=None built or fetched by cluster/models/default_model.py, 
 node, its facts read once) and the environment's facts (gather_environment). Nothing here decides; the start-up
 line says what was decided.
 
-A Serve replica on a GPU cluster resolves from what it holds itself, not from what the process that built the app saw.
+A Serve replica on a GPU cluster resolves from what it holds itself, not from what the process that built the app saw;
+the builders that size replicas (Serve, the batch processor) ask replica_deployment what that will be.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from raylm.cluster.engine.environment import gather_environment
 from raylm.cluster.models.default_model import resolve_model
 from raylm.common.logger import show_info
 from raylm.common.object_storage import check_source, is_object_uri, local_copy
-from raylm.configs import EngineConfig, ModelConfig, ParallelConfig
+from raylm.configs import EngineConfig
 from raylm.configs.attention_backends import attention_features, explain_attention_backend
 from raylm.configs.engine_config import LoRAConfig
 from raylm.configs.environment import EnvironmentFacts
@@ -71,10 +72,20 @@ def _check_lora_sources(lora: LoRAConfig) -> None:
         check_source(dynamic, "dynamic_lora_loading_path")
 
 
-def resolve_deployment_here(config: EngineConfig) -> Deployment:
-    """Where `config`'s engine would run if started in this process, and how it would be placed and routed (no
-    checkpoint read, no kernel tried): for builders of replicas (Serve, batch) that size a replica's resources."""
-    return resolve_deployment(config, gather_environment(config, kernels=False))
+def replica_deployment(config: EngineConfig) -> Deployment:
+    """What a replica's engine will decide of its device, executor, bundles and routing (configs/resolve.py's
+    resolve_deployment, no checkpoint read, no kernel tried), from the facts the replica will see: the cluster of
+    this process (when Ray is connected as the replica is sized), and one GPU in the replica itself where the cluster
+    has GPUs (its builder gives it one when its engine then computes in-process). The one source of a replica's
+    resources for the Serve builder (serve/app.py) and the batch processor (batch/replica_resources.py)."""
+    facts = gather_environment(config, kernels=False)
+    return resolve_deployment(config, replica_facts(facts))
+
+
+def replica_facts(builder: EnvironmentFacts) -> EnvironmentFacts:
+    """The environment a replica will see, from its builder's: its cluster, and a GPU of its own where the cluster
+    has any."""
+    return dataclasses.replace(builder, cuda_devices=1 if builder.cluster_gpus else 0)
 
 
 def _log_engine_config(config: EngineConfig, env: EnvironmentFacts) -> None:
@@ -82,7 +93,7 @@ def _log_engine_config(config: EngineConfig, env: EnvironmentFacts) -> None:
     resolved, model_config = config.resolved, config.model_config
     model_info: ModelInfo = resolved.model_info
     show_info(logger)
-    logger.info("engine config: model %s (%s), device %s, dtype %s, quantization %s, attention %s, executor %s%s, "
+    logger.info("engine config: model %s (%s), device %s, dtype %s, quantization %s, attention %s, executor %s%s%s, "
                 "cudagraph_mode %s%s, max_model_len %s, %d step(s) in flight, routing %s, grammars %s%s",
                 model_config.served_model_name, model_info.architecture, resolved.device,
                 explain_dtype(model_config, model_info, resolved.device, env.cpu_bf16_instructions),
@@ -92,6 +103,7 @@ def _log_engine_config(config: EngineConfig, env: EnvironmentFacts) -> None:
                                           config.compilation_config.custom_ops != "none", env,
                                           attention_features(model_info.hf_config)),
                 resolved.executor_backend,
+                " (auto)" if config.parallel_config.distributed_executor_backend is None else "",
                 ", lock-step DP" if resolved.dp_lockstep else "", resolved.cudagraph.mode, _graph_detail(config),
                 model_config.max_model_len, resolved.max_concurrent_batches, resolved.routing_policy,
                 "/".join(resolved.structured_outputs_backends) or "none",
@@ -112,8 +124,3 @@ def _graph_detail(config: EngineConfig) -> str:
               "max_cudagraph_capture_size" if compilation.max_cudagraph_capture_size is not None else "default")
     return f" (batch sizes {graphs.capture_sizes[0]}-{graphs.capture_sizes[-1]}, {len(graphs.capture_sizes)} " \
            f"graphs, {source})"
-
-
-def decide_device(model_config: ModelConfig, parallel_config: ParallelConfig) -> str:
-    """resolve_deployment_here's device for these sections (cluster/batch sizes its replicas with it)."""
-    return resolve_deployment_here(EngineConfig(model_config=model_config, parallel_config=parallel_config)).device

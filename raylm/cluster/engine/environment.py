@@ -13,6 +13,7 @@ import torch
 from raylm.configs import EngineConfig
 from raylm.configs.environment import EnvironmentFacts
 from raylm.configs.model_info import cpu_bf16_instructions
+from raylm.configs.resolve import decide_device
 from raylm.configs.resolve_sections import GRAMMAR_PACKAGES
 from raylm.executor.ray_cluster import cluster_nodes, join_ray_cluster, ray_reachable
 from raylm.runner.attention import missing_kernels, triton_interpret
@@ -40,17 +41,9 @@ def gather_environment(config: EngineConfig, kernels: bool = True) -> Environmen
     )
     if not kernels:
         return facts
-    devices = _possible_devices(config, facts)
+    # Only the kernels of the device resolution will pick are worth trying.
+    devices = {decide_device(config, facts)}
     if config.compilation_config.custom_ops == "none":  # raylm's CPU kernels are off: not even built
         return dataclasses.replace(facts, missing_kernels={
             **missing_kernels(devices - {"cpu"}), "cpu": "custom_ops='none' turns raylm's CPU kernels off"})
     return dataclasses.replace(facts, missing_kernels=missing_kernels(devices))
-
-
-def _possible_devices(config: EngineConfig, facts: EnvironmentFacts) -> set[str]:
-    """The devices resolution may pick (whose kernels are worth trying): the setting, or for auto CUDA where a GPU is
-    seen here or in the cluster, else CPU."""
-    device = config.model_config.device
-    if device != "auto":
-        return {device}
-    return {"cuda"} if facts.cuda_devices or facts.cluster_gpus else {"cpu"}

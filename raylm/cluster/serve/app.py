@@ -27,7 +27,7 @@ from ray import serve
 from starlette.types import Message
 
 from raylm.cluster.engine.async_llm import AsyncLLM
-from raylm.cluster.engine.environment import gather_environment
+from raylm.cluster.engine.config_resolver import replica_deployment
 from raylm.cluster.entrypoints.openai.api_server import build_app as build_fastapi_app
 from raylm.cluster.entrypoints.openai.api_server import model_router
 from raylm.cluster.entrypoints.openai.errors import OpenAIError
@@ -44,8 +44,7 @@ from raylm.cluster.serve.serve_handles import LLMServerHandles
 from raylm.cluster.serve.serve_ingress import OpenAIIngress, ingress_options
 from raylm.cluster.serve.serve_router import prefix_router_config
 from raylm.configs import EngineConfig, envs, make_engine_config
-from raylm.configs.environment import EnvironmentFacts
-from raylm.configs.resolve import Deployment, resolve_deployment
+from raylm.configs.resolve import Deployment
 from raylm.executor.cluster_resources import ClusterCapacity, check_fits, process_cores
 from raylm.executor.placement import describe_engine
 
@@ -220,25 +219,10 @@ def _with_served_name(config: EngineConfig) -> EngineConfig:
         update={"served_model_name": model_id}))
 
 
-def replica_deployment(config: EngineConfig) -> Deployment:
-    """What a replica's engine will decide of its device, executor, bundles and routing (configs/resolve.py's
-    resolve_deployment), from the facts the replica will see: the cluster of this process (when Ray is connected as
-    the app is built), and one GPU in the replica itself where the cluster has GPUs (llm_server_options gives it one
-    when its engine then computes in-process)."""
-    facts = gather_environment(config, kernels=False)
-    return resolve_deployment(config, replica_facts(facts))
-
-
-def replica_facts(builder: EnvironmentFacts) -> EnvironmentFacts:
-    """The environment a replica will see, from the builder's: its cluster, and a GPU of its own where the cluster
-    has any."""
-    return dataclasses.replace(builder, cuda_devices=1 if builder.cluster_gpus else 0)
-
-
 def llm_server_options(config: EngineConfig, deployment: Deployment) -> dict[str, Any]:
     """The replica's deployment options. Its engine's config is resolved in the replica itself; the resources Serve
-    gives the replica (a GPU, the placement group of its workers) follow `deployment` (replica_deployment), asked
-    only when Ray is connected as the app is built (`serve run module:app` builds first: then the replica asks for no
+    gives the replica (a GPU, the placement group of its workers) follow `deployment` (replica_deployment), asked only
+    when Ray is connected as the app is built (`serve run module:app` builds first: then the replica asks for no
     device, and its engine puts its worker on a GPU actor where the cluster has GPUs)."""
     serving, parallel = config.serving_config, config.parallel_config
     connected = ray.is_initialized()

@@ -20,8 +20,9 @@ from typing import Any
 
 from ray import serve
 
+from raylm.cluster.engine.config_resolver import replica_deployment
 from raylm.cluster.models.default_model import served_model_name
-from raylm.cluster.serve.app import LLMEngineServer, llm_server_options, replica_deployment
+from raylm.cluster.serve.app import LLMEngineServer, llm_server_options
 from raylm.cluster.serve.serve_ingress import OpenAIIngress, ingress_options
 from raylm.cluster.serve.serve_router import prefix_router_config
 from raylm.configs import EngineConfig, make_engine_config
