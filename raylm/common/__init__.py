@@ -1,2 +1,3 @@
-"""What every floor above shares: the step contract (SchedulerOutput, ModelRunnerOutput, IntermediateTensors),
-sampling parameters, the parallel layout, the step timeline and the log set-up. It imports only `raylm.configs`."""
+"""What every floor above shares: the step contract (SchedulerOutput, ModelRunnerOutput, IntermediateTensors, the KV
+connectors' metadata), a request's parameters (sampling, pooling, structured outputs, LoRA), the parallel layout, the
+step timeline, the log set-up and checkpoints in object storage. Of raylm it imports only `raylm.configs`."""

@@ -6,10 +6,11 @@ sample_tokens: sample from the kept logits and append the tokens to the batch.
 
 The parts: InputBatch (the requests' rows), InputBuffers (the packed step), BatchPlanner (the batch decision: graph
 mode, padding, micro-batches, DP coordination), DecodeGraphs (FULL CUDA graphs), ProfileRun (the memory profile),
-SleepMode, the Sampler and PromptLogprobsProcessor. `_run_forward` is the only caller of the model: every forward (a
-step, a dummy batch, the profile run) takes the batch decision first, so under lock-step data parallel no rank can
-skip a collective the others wait in. Over 300 lines: the two halves of a step share the kept state
-(ExecuteModelState) and every part, and read best side by side.
+SleepMode, the Sampler and PromptLogprobsProcessor. Every forward of a step, a dummy batch or the profile run goes
+through `_run_forward`, which takes the batch decision first, so under lock-step data parallel no rank can skip a
+collective the others wait in; graph capture (DecodeGraphs.forward: every rank the same sizes in the same order) and
+the draft model (refused under lock-step DP) call their models themselves. Over 300 lines: the two halves of a step
+share the kept state (ExecuteModelState) and every part, and read best side by side.
 """
 from __future__ import annotations
 
@@ -278,9 +279,10 @@ class ModelRunner:
                      common: CommonAttentionMetadata | None,
                      intermediate_tensors: IntermediateTensors | None,
                      has_lora: bool = False) -> torch.Tensor | IntermediateTensors:
-        """The one call of the model, always after the batch decision (so after the DP coordination). The first
-        `num_tokens` input rows are written; padding rows are filled here. `common` None: a dummy batch. A later
-        pipeline stage without received tensors (dummy and profile runs: no stage-to-stage traffic) runs on zeros."""
+        """The target model's forward in a step, a dummy batch or the profile run, always after the batch decision
+        (so after the DP coordination). The first `num_tokens` input rows are written; padding rows are filled here.
+        `common` None: a dummy batch. A later pipeline stage without received tensors (dummy and profile runs: no
+        stage-to-stage traffic) runs on zeros."""
         model, planner, graphs, buffers = self.model, self.planner, self.graphs, self.buffers
         assert model is not None and planner is not None and graphs is not None, "load_model first"
         assert not self.is_sleeping(), "a forward while the weights or the KV cache are freed (sleep mode)"

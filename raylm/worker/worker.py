@@ -188,7 +188,7 @@ class Worker:
             return self._runner().sample_tokens(grammar_output)
 
     def drain_trace(self) -> list[dict[str, Any]]:
-        """This process's timeline events since the last drain (runner/tracing.py)."""
+        """This process's timeline events since the last drain (common/tracing.py)."""
         return tracing.drain()
 
     def execute_dummy_batch(self) -> None:

@@ -3,7 +3,7 @@ handle, so that a request router (PrefixAwareRequestRouter) sees each request's 
 prefill deployment beside it, it is the disaggregated prefill/decode proxy (serve_pd.py): each request is prefilled
 there, then decoded, and streamed, by the decode replicas.
 
-The direct app (serve.py's LLMServer as the ingress, no hop between) is kept where nothing is to be routed: one
+The direct app (app.py's LLMServer as the ingress, no hop between) is kept where nothing is to be routed: one
 replica at most, or routing_policy "load" (Serve's own power-of-two-choices router at the proxy).
 """
 from __future__ import annotations

@@ -109,7 +109,7 @@ class SamplingRequest(OpenAIBaseModel, UnsupportedSamplingFields):
     stream_options: StreamOptions | None = None
     priority: JsonInt | None = None  # with scheduling_policy "priority": smaller is served first
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's: to the engine's KV connector (disaggregated prefill)
-    # Constrained output (cluster/entrypoints/openai/structured_outputs.py): at most one of these.
+    # Constrained output (structured_request.py reads whichever is given): at most one of these.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None
