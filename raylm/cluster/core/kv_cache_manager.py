@@ -1,19 +1,48 @@
 """Which KV blocks each request holds: prefix-cache lookup on admission, slot allocation as
-tokens are scheduled, and freeing."""
+tokens are scheduled, and freeing.
+
+Where every layer attends over a sliding window (Mistral), a request's leading blocks that no later query can see
+go back to the pool as its window moves (vLLM's SlidingWindowManager.remove_skipped_blocks), so it holds about
+window / block_size + 1 blocks however long it grows. Its block table keeps their ids in place: the kernels mask
+those positions, so they never count what another request writes there. Models that mix sliding and global layers
+(Gemma 2 / 3, GPT-OSS) keep every block: freeing for their sliding layers alone needs a block table per layer kind.
+"""
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from raylm.cluster.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from raylm.cluster.core.lora_scheduling import block_hash_seed
 from raylm.cluster.core.request import Request
+from raylm.configs.attention_backends import layer_sliding_windows
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def freeing_window(hf_configs: Sequence[PretrainedConfig | None]) -> int | None:
+    """The window past which blocks can be freed when every layer of these models (the target and a draft model,
+    which share the block table) slides: the widest one, so that no layer loses a key it sees. None when any layer
+    is global, or a config is unknown."""
+    windows = [window for config in hf_configs
+               for window in (layer_sliding_windows(config) if config is not None else [None])]
+    if not windows or any(window is None for window in windows):
+        return None
+    return max(window for window in windows if window is not None)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
-        assert block_size > 0
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        assert block_size > 0 and (sliding_window is None or sliding_window > 0)
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window  # None: a request keeps all its blocks until it ends
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Leading blocks of each request already back in the pool (sliding window only); their ids stay in place.
+        self.num_skipped_blocks: dict[str, int] = {}
         # How many leading blocks of each request have been offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         # Prompt tokens looked up / found in the prefix cache, counted once per admission.
@@ -82,6 +111,8 @@ class KVCacheManager:
         admitting = req_blocks is None
         assert admitting or not new_computed_blocks, "prefix hits are only taken on admission"
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if req_blocks is not None:
+            self.remove_skipped_blocks(request, num_computed)  # room for this step's blocks
         # Never negative but for speculative decoding: the slots of rejected drafts stay with the request, and the
         # next step's tokens reuse them.
         num_new_blocks = max(0, -(-(num_computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
@@ -95,6 +126,7 @@ class KVCacheManager:
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
             self.num_cached_blocks[request.request_id] = len(new_computed_blocks)
+            self.num_skipped_blocks[request.request_id] = 0
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
@@ -112,17 +144,43 @@ class KVCacheManager:
             # Only known token ids can be hashed: under async scheduling the scheduled tokens may run
             # ahead of the sampled ones.
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens) // self.block_size)
+        self.remove_skipped_blocks(request, num_computed)  # prefix hits already out of the window
         return new_block_ids
+
+    def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Free the request's leading blocks that lie wholly before the window of every query it has yet to run:
+        the lowest such query is its first uncomputed token, or, while speculative drafts or async steps are out,
+        its last known token (a rejected draft's position is queried again). A block is freed only once it has been
+        offered to the prefix cache, so that it stays a hit until evicted. Steps already dispatched may still read
+        a freed block: whoever gets it next writes it in a later step, which the device runs after them."""
+        if self.sliding_window is None:
+            return
+        request_id = request.request_id
+        first_query = min(num_computed_tokens, request.num_tokens - 1)
+        num_skipped = max(0, first_query - self.sliding_window + 1) // self.block_size
+        if self.enable_caching:
+            num_skipped = min(num_skipped, self.num_cached_blocks[request_id])
+        start = self.num_skipped_blocks[request_id]
+        if num_skipped > start:
+            # Last first, as in free(): a prompt's head is the part other requests likeliest share.
+            self.block_pool.free_blocks(reversed(self.req_to_blocks[request_id][start:num_skipped]))
+            self.num_skipped_blocks[request_id] = num_skipped
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds in the pool (its skipped ones are back there)."""
+        return len(self.req_to_blocks.get(request_id, ())) - self.num_skipped_blocks.get(request_id, 0)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first so that a prompt's tail is evicted before
         its head (the head is the part other requests are likeliest to share)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        num_skipped = self.num_skipped_blocks.pop(request.request_id, 0)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[num_skipped:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """One id per block position of the request, skipped (freed) positions included: see the module's doc."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:

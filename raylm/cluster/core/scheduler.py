@@ -49,6 +49,7 @@ class Scheduler:
         kv_connector: KVConnectorBase | None = None,
         max_loras: int | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -72,7 +73,10 @@ class Scheduler:
                        DraftScheduling(speculative_config, self.async_scheduling, max_model_len))
         self.max_loras = max_loras  # distinct adapters per step (LoRA's device slots); None: LoRA is off
 
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
+        # Blocks out of every layer's window go back to the pool (kv_cache_manager.py); not under a KV connector,
+        # which sends or saves a request's blocks by position.
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching,
+                                               sliding_window if kv_connector is None else None)
         # The scheduler side of a KV connector: external KV for requests, held blocks (see kv_transfer_tracker.py).
         self.kv_transfers = None if kv_connector is None else KVTransferTracker(kv_connector, self.kv_cache_manager)
         if kv_connector is not None:

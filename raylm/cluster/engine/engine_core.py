@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from raylm.cluster.core.engine_core_output import EngineCoreOutput
+from raylm.cluster.core.kv_cache_manager import freeing_window
 from raylm.cluster.core.request import Request, RequestStatus
 from raylm.cluster.core.scheduler import Scheduler
 from raylm.cluster.core.structured_output import StructuredOutputManager
@@ -66,7 +67,9 @@ class EngineCore:
             config.cache_config.block_size, send_token_ids=config.parallel_config.pipeline_parallel_size > 1,
             speculative_config=config.speculative_config, kv_connector=self.kv_connector,
             max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else None,
-            structured_output_manager=self.structured_output_manager)
+            structured_output_manager=self.structured_output_manager,
+            sliding_window=freeing_window([config.model_info.hf_config, *(
+                [] if (draft := config.resolved.draft_model_info) is None else [draft.hf_config])]))
         self.num_generation_tokens = 0  # since start, for stats
         depth = config.resolved.max_concurrent_batches
         self.sleeping_tags: set[str] = set()  # what sleep freed and wake_up has not restored yet
