@@ -8,6 +8,7 @@ from raylm.configs.environment import EnvironmentFacts
 from raylm.configs.kv_transfer import KVTransferConfig
 from raylm.configs.model_info import ModelInfo
 from raylm.configs.parallel_checks import check_draft_tensor_parallel
+from raylm.configs.quant_formats import read_checkpoint_quant
 from raylm.configs.structured_outputs_config import StructuredOutputsConfig
 
 
@@ -57,7 +58,20 @@ def resolve_speculative(config: EngineConfig, model_info: ModelInfo, draft: Mode
         raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
                          f"({draft.max_position_embeddings}) is below max_model_len ({max_model_len})")
     check_draft_tensor_parallel(draft, model_info, tp, quantization, parallel.enable_expert_parallel)
+    check_draft_quantization(draft, tp)
     return spec.model_copy(update={"draft_tensor_parallel_size": tp})
+
+
+def check_draft_quantization(draft: ModelInfo, tp: int) -> None:
+    """A draft quantized as shipped (compressed-tensors, GPTQ, AWQ) loads by its own format; one raylm cannot run is
+    refused here, before loading, and so is TP > 1 for one (its sharding is not tested)."""
+    try:
+        quant = read_checkpoint_quant(draft.hf_config)
+    except ValueError as error:
+        raise ValueError(f"speculative_config.model: the draft's {error}") from None
+    if quant is not None and tp > 1:
+        raise ValueError(f"speculative_config.model: a draft quantized as shipped ({quant.describe()}) runs at "
+                         f"tensor_parallel_size 1 only, not {tp}; use a float draft")
 
 
 def resolve_routing_policy(config: EngineConfig) -> str:

@@ -18,6 +18,7 @@ from raylm.common.object_storage import checkpoint_here
 from raylm.common.sampling_params import _GREEDY_EPS
 from raylm.configs import EngineConfig
 from raylm.configs.model_info import ModelInfo
+from raylm.configs.quant_formats import read_checkpoint_quant
 from raylm.runner.attention.backend import AttentionBackend
 from raylm.runner.forward_context import set_forward_context
 from raylm.runner.input_batch import InputBatch
@@ -53,7 +54,9 @@ class DraftModelProposer(Proposer):
     def load_model(self, target_model: torch.nn.Module) -> None:
         assert self.draft.hf_config is not None
         path = checkpoint_here(self.draft.path, self.draft.source, "speculative_config.model")
-        self.model = load_model(path, self.draft.hf_config, dtype=self.dtype, device=self.device)
+        quant = read_checkpoint_quant(self.draft.hf_config)  # a draft quantized as shipped loads by its own format
+        self.model = load_model(path, self.draft.hf_config, dtype=self.dtype, device=self.device,
+                                quantization="none" if quant is None else quant.method)
 
     def attention_layers(self) -> list[Attention]:
         assert self.model is not None, "load_model first"
