@@ -1,9 +1,11 @@
 """GGUF files written by the tests themselves, from the tiny random checkpoints, through the `gguf` package's writer:
-llama.cpp's metadata keys and tensor names, its q/k row order for the llama architecture, the tokenizer as
+llama.cpp's metadata keys and tensor names, its q/k row order for the llama architecture, Gemma's norms with their
+one folded in and Phi-3's LongRoPE factors as tensors (as llama.cpp's converter writes them), the tokenizer as
 metadata, and the linear weights quantized to the type asked for."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -12,8 +14,10 @@ from safetensors.numpy import load_file
 
 from raylm.cluster.models.tiny_tokenizer import SPECIAL_TOKENS
 
-ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-PRE_TOKENIZERS = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+PRE_TOKENIZERS = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma2": "llama-bpe",
+                  "gemma3": "llama-bpe", "phi3": "llama-bpe"}
 
 
 def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -30,6 +34,7 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationTy
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's per-layer-kind parameters: the file's are the global ones
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -42,7 +47,11 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationTy
     writer.add_vocab_size(config["vocab_size"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 1.0)))
+    if arch in ("gemma2", "gemma3"):
+        _add_gemma(writer, config)
+    elif arch == "phi3":
+        _add_phi3(writer, config, rope)
     _add_tokenizer(writer, checkpoint, PRE_TOKENIZERS[arch])
     tensor_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                           config["num_hidden_layers"])
@@ -51,6 +60,8 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationTy
         weight = weight.astype(np.float32)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             weight = _llama_permute(weight, heads if ".q_proj." in name else kv_heads)
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            weight = weight + 1
         qtype = gguf.GGMLQuantizationType.F32
         if weight.ndim == 2:
             qtype = embedding_type if "embed_tokens" in name or name.startswith("lm_head") else linear_type
@@ -65,6 +76,30 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationTy
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _add_gemma(writer: gguf.GGUFWriter, config: dict) -> None:
+    """Gemma's window, its layer pattern (one bool per layer, true: sliding) and soft-caps; llama.cpp's converter
+    leaves the scale out (it is head_dim but for the 27B models) and the local rope base (10k) too."""
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+    if config.get("attn_logit_softcapping") and config["architectures"][0] == "Gemma2ForCausalLM":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+
+
+def _add_phi3(writer: gguf.GGUFWriter, config: dict, rope: dict) -> None:
+    """Phi-3's original context and, for LongRoPE, its factors as the tensors rope_factors_long / _short with the
+    attention factor llama.cpp's converter computes."""
+    original = config["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, checkpoint: Path, pre: str) -> None:

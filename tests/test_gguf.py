@@ -168,13 +168,13 @@ def test_unsupported_tensor_type_is_refused_by_name(checkpoints: dict[str, Path]
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
-    path = tmp_path / "phi.gguf"
-    writer = gguf.GGUFWriter(str(path), "phi3")
+    path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported"):
+    with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not supported"):
         read_gguf_config(path)
 
 

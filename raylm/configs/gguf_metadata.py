@@ -5,7 +5,8 @@ merges, token types, special ids, chat template) live as key/value metadata in t
 `gguf_tokenizer` rebuild the config and tokenizer transformers would load from the original checkpoint; both read
 metadata only (the tensors stay memory-mapped, unread) and are pure functions of the file.
 
-Supported: architectures llama, qwen2 and qwen3; byte-level BPE vocabularies (`tokenizer.ggml.model` gpt2) with the
+Supported: architectures llama (Mistral's files too: llama.cpp converts them as llama), qwen2, qwen3, gemma2, gemma3
+and phi3 (their own settings: configs.gguf_families); byte-level BPE vocabularies (`tokenizer.ggml.model` gpt2) with the
 pre-tokenizer splits below. Anything else is refused with the name found in the file.
 """
 from __future__ import annotations
@@ -15,12 +16,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from raylm.configs.gguf_families import MODEL_TYPES, family_settings
+
 if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # general.architecture -> the Hugging Face class raylm runs it as
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 # tokenizer.ggml.pre -> the regex that splits text before byte-level BPE (llama.cpp's, per vocabulary); None: GPT-2's
 # own split inside the ByteLevel pre-tokenizer.
@@ -65,12 +69,13 @@ def read_gguf_metadata(path: str) -> tuple[dict[str, Any], frozenset[str]]:
 def gguf_architecture(metadata: dict[str, Any]) -> str:
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; raylm runs {', '.join(ARCHITECTURES)}")
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; raylm runs GGUF files of "
+                         f"{', '.join(ARCHITECTURES)} (load other models from their Hugging Face checkpoint)")
     return arch
 
 
 def read_gguf_config(path: str | Path) -> PretrainedConfig:
-    """The transformers config of the model a GGUF file holds (LlamaConfig, Qwen2Config or Qwen3Config)."""
+    """The transformers config of the model a GGUF file holds (LlamaConfig, Qwen2Config, Gemma2Config, ...)."""
     from transformers import AutoConfig
 
     metadata, tensors = read_gguf_metadata(str(path))
@@ -87,9 +92,6 @@ def read_gguf_config(path: str | Path) -> PretrainedConfig:
     head_dim = int(get("attention.key_length", hidden // heads))
     if int(get("attention.value_length", head_dim)) != head_dim:
         raise ValueError(f"GGUF file {path}: value heads of another size than key heads are not supported")
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"GGUF file {path}: rotary embedding over {get('rope.dimension_count')} of {head_dim} "
-                         "head dimensions (partial rotary) is not supported")
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     settings: dict[str, Any] = dict(
         architectures=[ARCHITECTURES[arch]],
@@ -108,8 +110,14 @@ def read_gguf_config(path: str | Path) -> PretrainedConfig:
     if arch != "qwen2":  # Qwen2 always has q/k/v biases; Llama and Qwen3 say so in their config
         settings["attention_bias"] = "blk.0.attn_q.bias" in tensors
     rope_theta, rope_scaling = float(get("rope.freq_base", 10000.0)), _rope_scaling(get, path, tensors, head_dim)
-    settings["rope_parameters"] = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
-    return AutoConfig.for_model(arch, **settings)
+    rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
+    settings.update(family_settings(arch, get, lambda name: _tensor_values(path, name), tensors, rope, head_dim))
+    return AutoConfig.for_model(MODEL_TYPES.get(arch, arch), **settings)
+
+
+def _tensor_values(path: str | Path, name: str) -> list[float]:
+    tensor = next(t for t in gguf_reader(str(path)).tensors if t.name == name)
+    return [float(x) for x in tensor.data.reshape(-1)]
 
 
 def _one_value(value: Any, key: str) -> int:
@@ -179,7 +187,7 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF file {path}: tokenizer model {kind!r} is not supported (raylm reads byte-level BPE, "
-                         "'gpt2')")
+                         "'gpt2'); pass tokenizer= the model's Hugging Face tokenizer folder or hub id")
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_SPLITS:
         raise ValueError(f"GGUF file {path}: pre-tokenizer {pre!r} is not supported; supported: "

@@ -1,8 +1,9 @@
 """A GGUF file's tensors under the Hugging Face names raylm's models load (`model.layers.0.self_attn.q_proj.weight`).
 
 Names map through the `gguf` package's own table (gguf.get_tensor_name_map), so `blk.0.attn_q.weight` becomes the
-HF name its converter read it from. For the llama architecture llama.cpp's converter reorders the rows of q and k
-(each head's two rotary halves interleaved, for its GPT-J style rope); they are put back in HF order here, on packed
+HF name its converter read it from. Gemma's norms are stored as llama.cpp runs them, with the one the model adds
+already folded in: the one comes off here. For the llama architecture llama.cpp's converter reorders the rows of q and
+k (each head's two rotary halves interleaved, for its GPT-J style rope); they are put back in HF order here, on packed
 blocks as on floats, since a row's blocks never mix rows.
 
 A tensor bound for a layer that keeps blocks (`packed`: its checkpoint names) comes as a QuantizedTensor; every other
@@ -30,10 +31,13 @@ if TYPE_CHECKING:
 # HF module names of the Llama-family models raylm runs, per layer and for the whole model.
 _LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
                   "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-                  "post_attention_layernorm")
+                  "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+# Phi-3 keeps q/k/v and gate/up fused, in the file as in its HF checkpoint (ffn_up is gate_up_proj, not up_proj).
+_FUSED_LAYER_MODULES = {"phi3": ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+_NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp stores Gemma's (1 + weight) norms as 1 + weight
 _MODEL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 # Tensors whose content the config already carries (read by configs.gguf_metadata).
-_CONFIG_TENSORS = {"rope_freqs.weight"}
+_CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
@@ -41,7 +45,8 @@ def hf_tensor_names(arch: str, num_layers: int) -> dict[str, str]:
     """{GGUF tensor name: HF parameter name} for `arch` (a general.architecture value)."""
     model_arch = next(key for key, name in MODEL_ARCH_NAMES.items() if name == arch)
     tensor_map = get_tensor_name_map(model_arch, num_layers)
-    modules = [*_MODEL_MODULES, *(f"model.layers.{i}.{m}" for i in range(num_layers) for m in _LAYER_MODULES)]
+    layer_modules = (*_LAYER_MODULES, *_FUSED_LAYER_MODULES.get(arch, ()))  # later names win a shared GGUF name
+    modules = [*_MODEL_MODULES, *(f"model.layers.{i}.{m}" for i in range(num_layers) for m in layer_modules)]
     names = {}
     for module in modules:
         gguf_name = tensor_map.get_name(module)
@@ -71,6 +76,8 @@ def iterate_gguf_weights(path: str | Path, hf_config: PretrainedConfig, packed: 
         module = name.split(".")[-2]
         if arch == "llama" and module in heads:
             value = _unpermute_rows(value, heads[module])
+        elif arch in _NORM_PLUS_ONE and name.endswith("norm.weight") and isinstance(value, torch.Tensor):
+            value = value - 1
         yield name, value
 
 
