@@ -250,13 +250,22 @@ def test_objects_changed_or_deleted_in_the_bucket_change_the_copy(s3: S3, llama_
     assert set(json.loads((copy_root(uri) / "manifest.json").read_text())["files"]) == {"a.txt", "b.txt"}
 
 
-def test_a_gguf_object_is_copied_as_a_file(s3: S3, llama_path: Path, tmp_path: Path) -> None:
+def test_a_gguf_object_is_copied_as_a_file_and_served(s3: S3, llama_path: Path, tmp_path: Path) -> None:
+    """One .gguf object (float32 throughout: the checkpoint's own weights) is a file in the copy, and the engine
+    serving its URI answers as transformers does from the checkpoint."""
     import gguf
 
-    path = write_gguf(llama_path, tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.F32)
+    f32 = gguf.GGMLQuantizationType.F32
+    path = write_gguf(llama_path, tmp_path / "tiny.gguf", f32, embedding_type=f32)
     uri = s3.upload(path, "gguf/tiny.gguf")
     copy = Path(resolve_model(ModelConfig(model=uri)).model or "")
     assert copy.name == "tiny.gguf" and copy.read_bytes() == path.read_bytes()
+    llm = LLM(model=uri, **ENGINE)
+    try:
+        assert llm.llm_engine.config.model_info.source == uri
+        check_logprobs_close(hf_greedy(llama_path, PROMPTS, MAX_TOKENS), generate(llm), "gguf from s3")
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize(("settings", "error"), [
