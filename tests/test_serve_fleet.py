@@ -1,8 +1,9 @@
-"""A fleet on Ray Serve: two tiny models (Llama with LoRA on 2 replicas, Qwen2 on 1) behind one OpenAI endpoint built
-from `llm_configs`. Each request reaches its model's replicas (the answer is that model's offline LLM answer), an
-adapter from dynamic_lora_loading_path is loaded on first use, /v1/models lists everything, an unknown model is a 404
-naming the served ones, /metrics carries both models, and an adapter loaded at run time reaches both replicas and a
-replica started after it, then is unloaded from all."""
+"""A fleet on Ray Serve: two tiny models (Llama with LoRA on 2 replicas, Qwen2 on 1, saved as a sentence-transformers
+embedding model) behind one OpenAI endpoint built from `llm_configs`. Each request reaches its model's replicas (the
+answer is that model's offline LLM answer; Qwen2's /v1/embeddings transformers' hidden states pooled as its files say),
+an adapter from dynamic_lora_loading_path is loaded on first use, /v1/models lists everything, an unknown model is a
+404 naming the served ones, /metrics carries both models, and an adapter loaded at run time reaches both replicas and
+a replica started after it, then is unloaded from all."""
 from __future__ import annotations
 
 import json
@@ -31,6 +32,7 @@ from raylm.cluster.serve.lora_serve import REPLICA_HEADER
 from raylm.cluster.serve.serve_router import request_text
 from raylm.common.lora_request import LoRARequest
 from tests.lora_utils import make_adapter
+from tests.test_embeddings import assert_close, reference, with_pooling
 
 FLEET_CONFIG = Path(__file__).resolve().parents[1] / "raylm" / "configs" / "serve-fleet-tiny.yaml"
 PROMPT = [5, 9, 13]
@@ -54,7 +56,14 @@ def adapters(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 @pytest.fixture(scope="module")
-def offline(checkpoints: dict[str, Path], adapters: dict[str, Path]) -> dict[str, str]:
+def embedder(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 as an embedding model: mean pooling, not normalised (not the defaults: the files are read)."""
+    return with_pooling(checkpoints["qwen2"], tmp_path_factory.mktemp("fleet-embedder") / "qwen2", "mean_tokens",
+                        normalize=False)
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoints: dict[str, Path], adapters: dict[str, Path], embedder: Path) -> dict[str, str]:
     """Each model's (and adapter's) greedy answer to PROMPT from the offline LLM."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = {"prompt_token_ids": PROMPT}
@@ -62,7 +71,7 @@ def offline(checkpoints: dict[str, Path], adapters: dict[str, Path]) -> dict[str
     loras = [None, LoRARequest("sql", 1, str(adapters["sql"])), LoRARequest("chat", 2, str(adapters["chat"]))]
     outputs = llama.generate([prompt] * 3, params, use_tqdm=False, lora_request=loras)
     llama.shutdown()
-    qwen = LLM(model=str(checkpoints["qwen2"]), **ENGINE)
+    qwen = LLM(model=str(embedder), **ENGINE)
     [qwen_output] = qwen.generate([prompt], params, use_tqdm=False)
     qwen.shutdown()
     answers = dict(zip(["llama", "sql", "chat"], (output.outputs[0].text for output in outputs)))
@@ -70,15 +79,15 @@ def offline(checkpoints: dict[str, Path], adapters: dict[str, Path]) -> dict[str
 
 
 @pytest.fixture(scope="module")
-def base_url(checkpoints: dict[str, Path], adapters: dict[str, Path]) -> Iterator[str]:
-    """The app of serve-fleet-tiny.yaml, its two models the tiny Llama (2 replicas, LoRA) and Qwen2."""
+def base_url(checkpoints: dict[str, Path], adapters: dict[str, Path], embedder: Path) -> Iterator[str]:
+    """The app of serve-fleet-tiny.yaml, its two models the tiny Llama (2 replicas, LoRA) and Qwen2 (embedder)."""
     port = _free_port()  # not Serve's default 8000: other Serve tests may run on this machine
     lora_entry, plain_entry = yaml.safe_load(FLEET_CONFIG.read_text())["applications"][0]["args"]["llm_configs"]
     assert (lora_entry["enable_lora"], lora_entry["min_replicas"]) == (True, 2)
     llm_configs = [
         lora_entry | ENGINE | {"model": str(checkpoints["llama"]), "served_model_name": "llama",
                                "dynamic_lora_loading_path": str(adapters["sql"].parent)},
-        plain_entry | ENGINE | {"model": str(checkpoints["qwen2"]), "served_model_name": "qwen"},
+        plain_entry | ENGINE | {"model": str(embedder), "served_model_name": "qwen"},
     ]
     ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
@@ -122,6 +131,20 @@ def test_each_model_answers_through_the_openai_client(base_url: str, offline: di
     stream = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=3, stream=True)
     assert {chunk.model for chunk in stream} == {"qwen"}
+
+
+def test_embeddings_beside_generation(base_url: str, embedder: Path, offline: dict[str, str]) -> None:
+    """/v1/embeddings through the fleet: the Qwen2 replica pools as its sentence-transformers files say, while the
+    Llama replicas generate."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    inputs = [PROMPT, list(range(40, 60))]
+    embedded = client.embeddings.create(model="qwen", input=inputs, encoding_format="float")
+    assert embedded.model == "qwen"
+    for data, expected in zip(embedded.data, reference(embedder, inputs, "MEAN", False), strict=True):
+        assert_close(data.embedding, expected)
+    assert complete(base_url, "llama")[0] == offline["llama"]
+    with pytest.raises(openai.NotFoundError, match="served: "):
+        client.embeddings.create(model="nope", input=inputs)
 
 
 def test_models_lists_every_model_and_adapter(base_url: str) -> None:
