@@ -12,8 +12,9 @@ from ray.cluster_utils import Cluster
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.configs import ParallelConfig
+from raylm.configs.bundles import engine_bundles
 from raylm.executor.cluster_resources import ClusterCapacity
-from raylm.executor.placement import bundle_node_ids, create_placement_plan, engine_bundles
+from raylm.executor.placement import bundle_node_ids, create_placement_plan
 
 TP2_PP2 = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
 PROMPTS = [{"prompt_token_ids": [5, 17, 99, 250, 3]}, {"prompt_token_ids": list(range(40, 70))}]
@@ -34,7 +35,7 @@ def three_nodes() -> Iterator[Cluster]:
 
 
 def test_tp_groups_stay_inside_nodes(three_nodes: Cluster) -> None:
-    plan = create_placement_plan(TP2_PP2, engine_bundles(TP2_PP2, "cpu", ClusterCapacity.current()))
+    plan = create_placement_plan(TP2_PP2, engine_bundles(TP2_PP2, "cpu", ClusterCapacity.current().nodes))
     try:
         specs = plan.placement_group.bundle_specs
         assert [spec["CPU"] for spec in specs] == [1.0, 2.0, 2.0]  # the engine's, then one bundle per TP group

@@ -12,9 +12,9 @@ import ray
 from raylm.cluster import LLM
 from raylm.cluster.serve.app import build_openai_app, llm_server_options, replica_deployment
 from raylm.configs import ParallelConfig, make_engine_config
-from raylm.configs.bundles import EngineBundles
+from raylm.configs.bundles import EngineBundles, engine_bundles
 from raylm.executor.cluster_resources import ClusterCapacity, check_fits
-from raylm.executor.placement import assign_ranks, create_placement_plan, describe_engine, engine_bundles
+from raylm.executor.placement import assign_ranks, create_placement_plan, describe_engine
 
 TP2_PP2 = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
 ONE_WORKER = ParallelConfig(distributed_executor_backend="ray")
@@ -31,17 +31,17 @@ def two_cpus(nodes: int = 1) -> ClusterCapacity:
 
 
 def test_one_bundle_per_tp_group_when_the_nodes_hold_them() -> None:
-    grouped = engine_bundles(TP2_PP2, "cpu", two_cpus(nodes=3))
+    grouped = engine_bundles(TP2_PP2, "cpu", two_cpus(nodes=3).nodes)
     assert grouped.bundles == [{"CPU": 1.0}, {"CPU": 2.0}, {"CPU": 2.0}] and grouped.workers_per_bundle == 2
     assert "+ 2 bundles {CPU: 2} of one TP group (2 workers) each" in grouped.describe()
     # Nodes of one GPU each cannot hold a TP group: one bundle per device, and the groups must straddle nodes.
     gpus = ClusterCapacity([{"CPU": 8.0, "GPU": 1.0}] * 4, {"CPU": 32.0, "GPU": 4.0})
-    assert engine_bundles(TP2_PP2, "cuda", gpus).bundles == [{"CPU": 1.0}] + [{"GPU": 1.0}] * 4
+    assert engine_bundles(TP2_PP2, "cuda", gpus.nodes).bundles == [{"CPU": 1.0}] + [{"GPU": 1.0}] * 4
     # One node of 3 CPUs and three of 1 hold one engine of TP=2 grouped; two DP engines only one bundle per device.
     uneven = ClusterCapacity([{"CPU": 3.0}] + [{"CPU": 1.0}] * 3, {"CPU": 6.0})
     tp2 = ParallelConfig(tensor_parallel_size=2)
-    assert engine_bundles(tp2, "cpu", uneven).workers_per_bundle == 2
-    assert engine_bundles(tp2, "cpu", uneven, num_engines=2).workers_per_bundle == 1
+    assert engine_bundles(tp2, "cpu", uneven.nodes).workers_per_bundle == 2
+    assert engine_bundles(tp2, "cpu", uneven.nodes, num_engines=2).workers_per_bundle == 1
 
 
 def test_ranks_take_whole_tp_groups_first() -> None:
@@ -53,7 +53,7 @@ def test_ranks_take_whole_tp_groups_first() -> None:
 
 
 def test_never_fitting_bundles_name_what_is_missing() -> None:
-    layout = engine_bundles(TP2_PP2, "cpu", two_cpus())
+    layout = engine_bundles(TP2_PP2, "cpu", two_cpus().nodes)
     with pytest.raises(ValueError, match=NEEDS + r"; CPU: 5 needed, the cluster has 2\. Lower tensor_parallel_size"):
         check_fits(layout.bundles, "PACK", describe_engine(layout, TP2_PP2), two_cpus())
     gpus = ClusterCapacity([{"CPU": 8.0, "GPU": 1.0}] * 2, {"CPU": 16.0, "GPU": 2.0})
