@@ -1,6 +1,8 @@
 """LoRA under Ray Serve on a local Ray with two replicas: the ingress reads each request's `model`, Serve's
 multiplexed routing sends every request for an adapter to the replica that loaded it (from
-dynamic_lora_loading_path, on demand), and a second adapter goes to the other replica (max_loras=1 each)."""
+dynamic_lora_loading_path, on demand), and a second adapter goes to the other replica (max_loras=1 each). Without
+the run-time opt-in where the app is built, no adapter is loaded over HTTP, even where the replicas' environment has
+it."""
 from __future__ import annotations
 
 import json
@@ -33,7 +35,9 @@ def base_url(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     make_adapter(llama_path, adapters / "sql", seed=21, r=8)
     make_adapter(llama_path, adapters / "chat", seed=22, r=4, target_modules=["q_proj", "v_proj"])
     port = _free_port()  # not Serve's default 8000: other Serve tests may run on this machine
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    # The replicas' environment opts in to run-time adapters; this process, where the app is built, does not.
+    ray.init(address="local", num_cpus=8, include_dashboard=False,
+             runtime_env={"env_vars": {"RAYLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}})
     try:
         start_serve("127.0.0.1", port)
         app = build_app({"model": str(llama_path), "served_model_name": "base", "enable_lora": True, "max_loras": 1,
@@ -87,6 +91,19 @@ def test_requests_for_an_adapter_go_to_the_replica_holding_it(base_url: str) -> 
 def test_unknown_adapter_is_404(base_url: str) -> None:
     status, body, _ = post(base_url, "/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 2})
     assert status == 404 and "The model `nope` does not exist" in body["error"]["message"]
+
+
+def test_runtime_adapters_need_the_opt_in_where_the_app_is_built(base_url: str, llama_path: Path,
+                                                                  tmp_path: Path) -> None:
+    """As on `--no-ray`, the routes are not there (404) without the opt-in where the app is built; replicas never
+    answer them, whatever their environment, since a load must reach all of them."""
+    extra = make_adapter(llama_path, tmp_path / "extra", seed=23, r=4)
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "extra", "lora_path": str(extra)}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "sql"})):
+        status, answer, _ = post(base_url, path, body)
+        assert status == 404 and answer["error"]["message"] == "Not Found", answer
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=60) as response:
+        assert "extra" not in {card["id"] for card in json.loads(response.read())["data"]}
 
 
 def test_prefix_routing_over_replicas_is_refused_with_lora(llama_path: Path) -> None:
