@@ -1,6 +1,6 @@
 """Ray Serve from object storage: two replicas on one node serve a model from the test's S3 server (moto's; s3fs
-unmocked) with one download: both replicas' resolutions and their workers share the node's copy. An adapter is found
-on demand under an s3:// dynamic_lora_loading_path and copied by the replica that serves it."""
+unmocked) with one download: both replicas' resolutions and their Ray worker actors share the node's copy. An adapter
+is found on demand under an s3:// dynamic_lora_loading_path and copied by the replica that serves it."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import ray
 from ray import serve
+from ray._private.state import actors
 
 from raylm.cluster.serve.app import build_app, start_serve
 from tests.lora_utils import make_adapter
@@ -38,15 +39,18 @@ def test_two_replicas_on_one_node_download_once(s3: S3, llama_path: Path, tmp_pa
         serve.run(build_app({
             "model": uri, "served_model_name": "base", "enable_lora": True, "max_lora_rank": 8,
             "dynamic_lora_loading_path": f"s3://{BUCKET}/serve-adapters", "min_replicas": 2, "max_replicas": 2,
-            "max_model_len": 128, "disable_log_stats": True}), name="s3", route_prefix="/")
+            "distributed_executor_backend": "ray", "max_model_len": 128, "disable_log_stats": True}),
+            name="s3", route_prefix="/")
         for model in ("base", "sql"):
             body = _post(f"http://127.0.0.1:{port}/v1/completions", {
                 "model": model, "prompt": [5, 9, 13], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True})
             assert body["model"] == model
+        workers = [a for a in actors().values() if a["ActorClassName"] == "RayWorkerWrapper" and a["State"] == "ALIVE"]
+        assert len(workers) == 2  # one per replica, on this node
     finally:
         serve.shutdown()
         ray.shutdown()
-    # Two replicas, each an engine resolving and a worker loading: one GET of the weights on the node.
+    # Two replicas, each an engine resolving and a worker actor loading: one GET of the weights on the node.
     assert len(s3.gets("tiny-llama/model.safetensors")) == 1
     assert len(s3.gets("serve-adapters/sql/adapter_model.safetensors")) == 1
     assert (copy_root(uri) / "tiny-llama" / "model.safetensors").read_bytes() == \
