@@ -140,3 +140,12 @@ def test_global_layers_keep_every_block(mistral: Path, tmp_path: Path) -> None:
     assert freeing_window([gemma3]) is None
     assert freeing_window([config, unwindowed]) is None
     assert freeing_window([None]) is None
+
+
+def test_pp2_on_ray(ray_cluster: Any, mistral: Path, reference: list[list[int]]) -> None:
+    """PP=2 on Ray (a layer per stage, two steps in flight, each stage's workers reading the block ids the scheduler
+    sent): freed blocks reused by the other requests under the same small pool give transformers' tokens."""
+    llm = LLM(model=str(mistral), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    tokens, most_held = run_stepwise(llm, PROMPTS)
+    llm.shutdown()
+    assert tokens == reference and most_held <= -(-(WINDOW - 1 + 2) // BLOCK) + 1
