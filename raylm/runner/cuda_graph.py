@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -101,6 +101,13 @@ class DecodeGraphs:
         assert self.runner is not None
         self.buffers.pad_decode_requests(num_reqs, n)
         return self.runner.replay(n)
+
+    def report(self) -> dict[str, Any]:
+        """The sizes FULL graphs are captured for, and the graphs captured and replayed per padded size so far."""
+        if self.runner is None:
+            return {"capture_sizes": [], "captured": {}, "replayed": {}}
+        return {"capture_sizes": list(self.dispatcher.full_capture_sizes), "captured": dict(self.runner.num_captures),
+                "replayed": dict(self.runner.num_replays)}
 
     def drop(self) -> None:
         """Forget the graphs (sleep mode moves the storages they read)."""

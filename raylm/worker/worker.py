@@ -156,12 +156,11 @@ class Worker:
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
         num_graphs = runner.capture_model()
-        if num_graphs:
-            assert runner.graphs is not None  # graphs were captured
+        if num_graphs:  # the resolved plan's sizes, every one captured
             torch.cuda.synchronize()
             used = free_before - torch.cuda.mem_get_info()[0]
             logger.info("captured %d CUDA graphs (sizes %s) in %.1f s, %.2f GiB", num_graphs,
-                        runner.graphs.dispatcher.full_capture_sizes, time.perf_counter() - start, used / _GIB)
+                        list(self.config.resolved.cudagraph.capture_sizes), time.perf_counter() - start, used / _GIB)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run this rank's pipeline stage: receive from the previous stage, forward, send to the next. None: the
@@ -211,12 +210,9 @@ class Worker:
         """The sizes FULL graphs are captured for, the graphs captured and replayed per padded size so far, and the
         forwards run since the last call with their graph keys (runner/forward_log.py; with record_forwards)."""
         runner = self._runner()
-        assert runner.graphs is not None
-        graphs = runner.graphs.runner
-        return {"capture_sizes": list(runner.graphs.dispatcher.full_capture_sizes) if graphs is not None else [],
-                "captured": dict(graphs.num_captures) if graphs is not None else {},
-                "replayed": dict(graphs.num_replays) if graphs is not None else {},
-                "forwards": runner.forward_log.drain() if runner.forward_log is not None else []}
+        assert runner.graphs is not None, "load_model first"
+        return runner.graphs.report() | {
+            "forwards": runner.forward_log.drain() if runner.forward_log is not None else []}
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read an adapter into this rank's host cache (vLLM's Worker.add_lora); False if it was there."""
