@@ -73,7 +73,7 @@ def test_a_process_without_a_gpu_puts_its_worker_on_ray(bf16_path: Path, gpus: i
 
 
 @pytest.mark.parametrize("gpus", [2], indirect=True)
-def test_serve_gives_replicas_what_the_resolver_will_decide(bf16_path: Path, gpus: int) -> None:
+def test_replica_builders_give_replicas_what_the_resolver_will_decide(bf16_path: Path, gpus: int) -> None:
     in_process = server_options(make_engine_config(model=str(bf16_path)))
     assert in_process["ray_actor_options"]["num_gpus"] == 1 and "placement_group_bundles" not in in_process
     with_workers = server_options(make_engine_config(model=str(bf16_path), tensor_parallel_size=2))
@@ -89,22 +89,14 @@ def test_serve_gives_replicas_what_the_resolver_will_decide(bf16_path: Path, gpu
     options = llm_server_options(config, on_ray)
     assert options["ray_actor_options"]["num_gpus"] == 0
     assert options["placement_group_bundles"] == [{"CPU": 1.0}, {"GPU": 1.0}]
-
-
-@pytest.mark.parametrize("gpus", [2], indirect=True)
-def test_batch_replicas_ask_for_what_the_resolver_will_decide(bf16_path: Path, gpus: int) -> None:
-    """The batch processor sizes its replicas from the deployment the Serve builder sizes its own from: a replica of a
-    CPU driver on a GPU cluster gets a GPU for its in-process worker (even with distributed_executor_backend 'uni',
-    which this GPU-less driver could not run itself), and a TP=2 replica the Serve replica's placement group."""
+    # The batch processor's replicas take the same deployment: a GPU for the in-process worker (also with 'uni',
+    # which this GPU-less driver could not run itself), and the Serve replica's placement group for TP=2.
     for settings in ({}, {"distributed_executor_backend": "uni"}):
         args = replica_remote_args(make_engine_config(model=str(bf16_path), **settings), None)
         assert (args["num_cpus"], args["num_gpus"]) == (1.0, 1), settings
-    tp2 = make_engine_config(model=str(bf16_path), tensor_parallel_size=2)
-    with_workers = replica_remote_args(tp2, None)
-    bundles, strategy = with_workers["ray_remote_args_fn"].args
-    assert (bundles, strategy) == (server_options(tp2)["placement_group_bundles"], "PACK")
-    assert (with_workers["num_cpus"], with_workers["num_gpus"]) == (1.0, 0.0)
-    assert sum(bundle.get("GPU", 0) for bundle in bundles) == 2
+    batch = replica_remote_args(make_engine_config(model=str(bf16_path), tensor_parallel_size=2), None)
+    assert batch["ray_remote_args_fn"].args == (bundles, "PACK")
+    assert (batch["num_cpus"], batch["num_gpus"]) == (1.0, 0.0)
 
 
 def test_serve_builds_without_ray_and_leaves_the_device_to_the_replica(bf16_path: Path) -> None:
