@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.core.kv_cache_manager import KVCacheManager, freeing_window
+from raylm.cluster.core.request import Request
 from raylm.cluster.models.tiny_model import make_tiny_model
 from tests.reference import hf_greedy
 from tests.rope_checkpoints import widen_weights
@@ -126,6 +127,27 @@ def test_ngram_drafts(mistral: Path, reference: list[list[int]], async_schedulin
     span = WINDOW - 1 + (2 if async_scheduling else 1) * (1 + 3)
     assert tokens == reference and most_held <= -(-span // BLOCK) + 1
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "some drafts accepted, some rejected"
+
+
+@pytest.mark.parametrize("enable_caching", [False, True])
+def test_manager_frees_what_no_query_sees(enable_caching: bool) -> None:
+    """Step by step in the manager: a block goes back once it lies wholly before the window of the next query, its
+    id stays in place, each block returns exactly once, and (caching on) a freed block is still a prefix hit."""
+    kv = KVCacheManager(16, BLOCK, enable_caching, sliding_window=WINDOW)
+    request = Request("a", list(range(100, 130)), SamplingParams(max_tokens=8))
+    held = []
+    for num_new in (6, 6, 6, 6, 6):  # chunks shorter than the window
+        assert kv.allocate_slots(request, num_new) is not None
+        held.append(kv.num_held_blocks("a"))
+        request.num_computed_tokens += num_new
+    # Before the chunk from c: the blocks wholly before c - 7 are freed (c = 18: block 2 holds key 11, still seen).
+    assert held == [2, 3, 4, 4, 4]
+    assert len(kv.get_block_ids("a")) == 8 and kv.num_free_blocks == 16 - held[-1]
+    again = Request("b", list(range(100, 130)), SamplingParams(max_tokens=8))
+    hits, num_hit_tokens = kv.get_computed_blocks(again)
+    assert num_hit_tokens == (28 if enable_caching else 0)  # the freed head blocks too: their KV is still there
+    kv.free(request)
+    assert kv.num_free_blocks == 16
 
 
 def test_global_layers_keep_every_block(mistral: Path, tmp_path: Path) -> None:
