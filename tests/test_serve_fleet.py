@@ -227,6 +227,25 @@ def test_bad_runtime_adapter_is_refused_everywhere(base_url: str, tmp_path: Path
     assert status == 404, body
 
 
+def test_each_model_is_a_deployment_of_its_own(base_url: str, checkpoints: dict[str, Path]) -> None:
+    """A fleet built (not deployed) on the running Ray: each model's deployment has its own autoscaling range and
+    placement group (the engine's bundle, then its workers': PP=2 one per stage, TP=2 one TP group) and LoRA."""
+    app = build_app({"llm_configs": [
+        {"model": str(checkpoints["llama"]), "served_model_name": "a", "enable_lora": True, "min_replicas": 1,
+         "max_replicas": 3, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray"},
+        {"model": str(checkpoints["qwen2"]), "served_model_name": "b", "tensor_parallel_size": 2,
+         "distributed_executor_backend": "ray"}]})
+    ingress = app._bound_deployment
+    built = {}
+    for model in ingress.init_args[0]:
+        deployment = model.server._bound_deployment
+        autoscaling, replica = deployment._deployment_config.autoscaling_config, deployment._replica_config
+        built[model.name] = (deployment.name, model.enable_lora, autoscaling.min_replicas, autoscaling.max_replicas,
+                             replica.placement_group_bundles)
+    assert built == {"a": ("LLMServer:a", True, 1, 3, [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]),
+                     "b": ("LLMServer:b", False, 1, 1, [{"CPU": 1.0}, {"CPU": 2.0}])}
+
+
 def test_fleet_settings_errors_name_the_field(llama_path: Path) -> None:
     with pytest.raises(ValueError, match=r"served_model_name must differ between models; got \['a', 'a'\]"):
         build_app({"llm_configs": [{"model": str(llama_path), "served_model_name": "a"}] * 2})
