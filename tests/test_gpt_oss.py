@@ -1,7 +1,8 @@
 """GPT-OSS (attention sinks, sliding-window layers alternating with full ones, biased attention, YaRN, biased experts
 with the clamped SwiGLU, top-k then softmax routing) token-exact with transformers on a tiny random checkpoint,
 through prefill, chunked prefill past the window and decode steps, in the cpu and torch attention backends; TP=2 x
-PP=2 on Ray equal one device; served through the OpenAI client with the openai_gptoss reasoning parser."""
+PP=2 on Ray, with and without expert parallel, equal one device; served through the OpenAI client with the
+openai_gptoss reasoning parser."""
 from __future__ import annotations
 
 import random
@@ -170,6 +171,14 @@ def test_tp2_pp2_on_ray_matches_single_device(ray_cluster: Any, checkpoint: Path
     per rank; PP=2: a sliding and a full layer per stage."""
     ours = run(checkpoint, attention_backend="cpu", tensor_parallel_size=2, pipeline_parallel_size=2,
                distributed_executor_backend="ray")
+    assert_same_output(ours, single_device)
+
+
+def test_tp2_pp2_ep_on_ray_matches_single_device(ray_cluster: Any, checkpoint: Path, single_device: Result) -> None:
+    """Expert parallel over the two TP ranks: two of the four experts each, whole, with their biases; every rank
+    routes its slice of the tokens through the all_to_all (tests/test_gpt_oss_ep.py: the fixed-capacity exchange)."""
+    ours = run(checkpoint, attention_backend="cpu", tensor_parallel_size=2, pipeline_parallel_size=2,
+               enable_expert_parallel=True, distributed_executor_backend="ray")
     assert_same_output(ours, single_device)
 
 

@@ -46,9 +46,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 
 def grouped_expert_mlp(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                       act_fn: nn.Module, row_index: torch.Tensor | None = None) -> torch.Tensor:
+                       act_fn: Callable[[torch.Tensor], torch.Tensor], row_index: torch.Tensor | None = None,
+                       w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Row p of the result is expert `expert_ids[p]`'s MLP applied to `x[row_index[p]]` (row_index None: x[p]),
-    unweighted; zero where the id is -1 (no expert: a fixed-capacity exchange's empty pair). The rows are sorted by
+    unweighted, with the expert's biases ([E, 2I], [E, H]) where given; zero where the id is -1 (no expert: a
+    fixed-capacity exchange's empty pair). The rows are sorted by
     expert (-1 last) and each projection is one grouped matmul over the experts' row ranges, whose ends stay on the
     device: on CUDA in bfloat16 (Hopper, Blackwell) one kernel with no host sync, so a CUDA graph can hold it;
     elsewhere torch runs one matmul per expert. Rows past the last range are never computed."""
@@ -62,7 +64,13 @@ def grouped_expert_mlp(x: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Ten
     counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids, dtype=torch.int32))
     ends = counts[:num_experts].cumsum(0, dtype=torch.int32)
     hidden = F.grouped_mm(sorted_rows, w13.transpose(1, 2), offs=ends)  # weights [E, N, K] as column-major [E, K, N]
+    # Each row's expert for its biases; the -1 rows (never computed, zeroed below) take the last expert's.
+    sorted_ids = expert_ids[order].clamp_(max=num_experts - 1)
+    if w13_bias is not None:
+        hidden = hidden + w13_bias[sorted_ids]
     out_sorted = F.grouped_mm(act_fn(hidden), w2.transpose(1, 2), offs=ends)
+    if w2_bias is not None:
+        out_sorted = out_sorted + w2_bias[sorted_ids]
     out = torch.empty_like(out_sorted)
     out[order] = out_sorted
     return out.masked_fill_(no_expert[:, None], 0)
@@ -129,14 +137,24 @@ class FusedMoE(nn.Module):
                                  f"{num_shards}; enable_expert_parallel keeps experts whole")
         self.intermediate_size = intermediate_size
         self.intermediate_size_per_partition = intermediate_size // num_shards
-        shard = self.intermediate_size_per_partition
+        self.act_fn = SiluAndMul()
+        self.create_weights()
+
+    def create_weights(self) -> None:
+        """The local experts' stacked weights, this rank's shard of I: w13_weight [E_local, 2 * I_shard, H] and
+        w2_weight [E_local, H, I_shard] (a model with other expert parameters overrides this and expert_mlp)."""
+        shard, hidden_size = self.intermediate_size_per_partition, self.hidden_size
         self.w13_weight = set_weight_loader(
             nn.Parameter(torch.empty(self.local_num_experts, 2 * shard, hidden_size), requires_grad=False),
             self.weight_loader)
         self.w2_weight = set_weight_loader(
             nn.Parameter(torch.empty(self.local_num_experts, hidden_size, shard), requires_grad=False),
             self.weight_loader)
-        self.act_fn = SiluAndMul()
+
+    def expert_mlp(self, x: torch.Tensor, expert_ids: torch.Tensor,
+                   row_index: torch.Tensor | None = None) -> torch.Tensor:
+        """grouped_expert_mlp over the local experts (ids local, -1 for none)."""
+        return grouped_expert_mlp(x, expert_ids, self.w13_weight, self.w2_weight, self.act_fn, row_index)
 
     @staticmethod
     def make_expert_params_mapping(num_experts: int, gate_proj: str, down_proj: str,
@@ -172,8 +190,7 @@ class FusedMoE(nn.Module):
             return self._forward_expert_parallel(hidden_states, router_logits)
         topk_weights, topk_ids = self.routing(router_logits)
         pair_rows = torch.arange(topk_ids.numel(), device=topk_ids.device) // self.top_k
-        out = grouped_expert_mlp(hidden_states, topk_ids.flatten(), self.w13_weight, self.w2_weight, self.act_fn,
-                                 pair_rows)
+        out = self.expert_mlp(hidden_states, topk_ids.flatten(), pair_rows)
         out = combine_topk(out.view(*topk_ids.shape, self.hidden_size), topk_weights)
         return self.tp_group.all_reduce(out)
 
@@ -186,14 +203,13 @@ class FusedMoE(nn.Module):
         capacity = dispatch_capacity(hidden_states.shape[0], self.tp_group.world_size)
         if capacity is None:
             rows, expert_ids, handle = self.all2all.dispatch(hidden_states[start:end], topk_ids, topk_weights)
-            expert_output = grouped_expert_mlp(rows, expert_ids, self.w13_weight, self.w2_weight, self.act_fn)
+            expert_output = self.expert_mlp(rows, expert_ids)
             combined = self.all2all.combine(expert_output, handle)
         else:
             rows, experts, fixed = self.fixed_all2all.dispatch(hidden_states[start:end], topk_ids, topk_weights,
                                                                capacity)
             pair_rows = torch.arange(experts.numel(), device=rows.device) // experts.shape[1]
-            expert_output = grouped_expert_mlp(rows, experts.flatten(), self.w13_weight, self.w2_weight,
-                                               self.act_fn, pair_rows)
+            expert_output = self.expert_mlp(rows, experts.flatten(), pair_rows)
             combined = self.fixed_all2all.combine(expert_output, fixed)
         return all_gather_slices(combined, sizes, self.tp_group)
 
