@@ -129,6 +129,17 @@ def test_ngram_drafts(mistral: Path, reference: list[list[int]], async_schedulin
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "some drafts accepted, some rejected"
 
 
+def test_kept_under_a_kv_connector(mistral: Path, reference: list[list[int]]) -> None:
+    """A KV connector (here offloading to host memory) saves and sends a request's blocks by position: nothing is
+    freed early under it."""
+    llm = LLM(model=str(mistral), **{**ENGINE, "num_gpu_blocks_override": 40, "enable_prefix_caching": True},
+              kv_offloading_size=0.05)
+    assert manager(llm).sliding_window is None
+    tokens, most_held = run_stepwise(llm, PROMPTS)
+    llm.shutdown()
+    assert tokens == reference and most_held == -(-(45 + MAX_TOKENS - 1) // BLOCK)
+
+
 @pytest.mark.parametrize("enable_caching", [False, True])
 def test_manager_frees_what_no_query_sees(enable_caching: bool) -> None:
     """Step by step in the manager: a block goes back once it lies wholly before the window of the next query, its
