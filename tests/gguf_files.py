@@ -27,8 +27,10 @@ def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationType,
-               embedding_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0) -> Path:
-    """`checkpoint` (an HF folder from make_tiny_model) as a GGUF file at `out`."""
+               embedding_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
+               tokenizer_model: str = "gpt2") -> Path:
+    """`checkpoint` (an HF folder from make_tiny_model) as a GGUF file at `out`; `tokenizer_model` the vocabulary
+    kind it declares (the vocabulary itself stays the checkpoint's byte-level BPE)."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -52,7 +54,7 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationTy
         _add_gemma(writer, config)
     elif arch == "phi3":
         _add_phi3(writer, config, rope)
-    _add_tokenizer(writer, checkpoint, PRE_TOKENIZERS[arch])
+    _add_tokenizer(writer, checkpoint, PRE_TOKENIZERS[arch], tokenizer_model)
     tensor_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                           config["num_hidden_layers"])
     for name, weight in load_file(checkpoint / "model.safetensors").items():
@@ -102,14 +104,14 @@ def _add_phi3(writer: gguf.GGUFWriter, config: dict, rope: dict) -> None:
         writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, checkpoint: Path, pre: str) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, checkpoint: Path, pre: str, model: str) -> None:
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     vocab = dict(tokenizer["model"]["vocab"])
     for added in tokenizer["added_tokens"]:
         vocab[added["content"]] = added["id"]
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens])

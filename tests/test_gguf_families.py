@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
@@ -87,6 +87,30 @@ def test_generation_matches_transformers(gguf_file: tuple[Path, Path]) -> None:
         llm.shutdown()
     ours = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
     assert check_logprobs_close(reference, ours, path.name) == 0
+
+
+def test_sentencepiece_vocabulary_runs_with_the_hf_tokenizer(family_checkpoints: dict[str, Path],
+                                                             tmp_path: Path) -> None:
+    """Gemma's and Phi-3's own files carry a SentencePiece vocabulary (`llama`), which raylm does not rebuild: the
+    engine refuses it by name, and runs the file with `tokenizer=` the model's Hugging Face tokenizer."""
+    checkpoint = family_checkpoints["gemma3"]
+    path = write_gguf(checkpoint, tmp_path / "gemma3-spm.gguf", Q.F32, Q.F32, tokenizer_model="llama")
+    with pytest.raises(ValueError, match="tokenizer model 'llama' is not supported .* pass tokenizer="):
+        LLM(model=str(path), max_model_len=MAX_POSITION)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([tokenizer.encode(prompt)]), max_new_tokens=MAX_TOKENS,
+                                  min_new_tokens=MAX_TOKENS, do_sample=False)[0, len(tokenizer.encode(prompt)):]
+    llm = LLM(model=str(path), tokenizer=str(checkpoint), dtype="float32", max_model_len=MAX_POSITION)
+    try:
+        output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert list(output.token_ids) == expected.tolist()  # float32 weights: the checkpoint's own tokens
+    assert output.text == tokenizer.decode(output.token_ids, skip_special_tokens=True)
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
