@@ -129,9 +129,9 @@ def test_ngram_drafts(mistral: Path, reference: list[list[int]], async_schedulin
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "some drafts accepted, some rejected"
 
 
-def test_kept_under_a_kv_connector(mistral: Path, reference: list[list[int]]) -> None:
-    """A KV connector (here offloading to host memory) saves and sends a request's blocks by position: nothing is
-    freed early under it."""
+def test_kept_under_a_kv_connector(ray_cluster: Any, mistral: Path, reference: list[list[int]]) -> None:
+    """A KV connector (here offloading to host memory, which starts Ray: the module's, wide enough for PP=2 later)
+    saves and sends a request's blocks by position: nothing is freed early under it."""
     llm = LLM(model=str(mistral), **{**ENGINE, "num_gpu_blocks_override": 40, "enable_prefix_caching": True},
               kv_offloading_size=0.05)
     assert manager(llm).sliding_window is None
