@@ -46,6 +46,9 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationTy
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)

@@ -18,11 +18,13 @@ from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.configs.gguf_metadata import read_gguf_config
 from tests.gguf_files import write_gguf
 from tests.reference import TOP_K, check_logprobs_close, model_greedy
+from tests.rope_checkpoints import with_config
 
 Q = gguf.GGMLQuantizationType
 MAX_POSITION = 128
 # Each family's tiny checkpoint: windows (8) shorter than the prompts, Gemma 2 with both soft-caps, Gemma 3 with
-# sliding and global layers alternating and a final cap, Phi-3 with LongRoPE on half of each head.
+# sliding and global layers alternating, a final cap and linear rope scaling on the global layers (as Gemma 3 4B and
+# up), Phi-3 with LongRoPE on half of each head.
 FAMILIES = {
     "gemma2": dict(arch="gemma2", sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=30.0),
     "gemma3": dict(arch="gemma3", num_layers=4, sliding_window=8, sliding_window_pattern=2,
@@ -39,8 +41,10 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {name: make_tiny_model(root / name, vocab_size=512, max_position_embeddings=MAX_POSITION, **settings)
-            for name, settings in FAMILIES.items()}
+    built = {name: make_tiny_model(root / f"{name}-base", vocab_size=512, max_position_embeddings=MAX_POSITION,
+                                   **settings) for name, settings in FAMILIES.items()}
+    return {**built, "gemma3": with_config(built["gemma3"], root / "gemma3", rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}})}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda case: f"{case[0]}-{case[1].name}")

@@ -126,7 +126,7 @@ class RotaryEmbedding(nn.Module):
 
 
 _ROPE_CACHE: dict[tuple[Any, ...], RotaryEmbedding] = {}
-ROPE_TYPES = ("default", "llama3", "longrope", "su", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su", "yarn")
 
 
 def get_rope(head_size: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None,
@@ -142,7 +142,9 @@ def get_rope(head_size: int, max_position: int, base: float, rope_scaling: dict[
     key = (head_size, rotary_dim, max_position, base, scaling_key, str(torch.get_default_device()))
     if key not in _ROPE_CACHE:
         inv_freq, mscale, positions = _default_inv_freq(base, rotary_dim), 1.0, max_position
-        if rope_type == "llama3":
+        if rope_type == "linear":  # positions divided by `factor` (Gemma 3's global layers)
+            inv_freq = inv_freq / float(rope_scaling["factor"])
+        elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(base, rotary_dim, rope_scaling)
         elif rope_type in ("longrope", "su"):
             inv_freq, mscale = _longrope(base, rotary_dim, max_position, rope_scaling)
