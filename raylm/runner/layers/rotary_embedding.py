@@ -1,7 +1,7 @@
 """Rotary position embedding, neox style (transformers' rotate_half: the two halves of each head's rotary dims rotate
-together), with a cos/sin cache indexed by position. Every scaling here (Llama 3, LongRoPE, YaRN) and partial rotary
-(rotary_dim < head_size) is only another cache: on CPU in float32 or bfloat16 one kernel rotates q and k in place
-from it, elsewhere the torch path does."""
+together), with a cos/sin cache indexed by position. Every scaling here (linear, Llama 3, LongRoPE, YaRN) and partial
+rotary (rotary_dim < head_size) is only another cache: on CPU in float32 or bfloat16 one kernel rotates q and k in
+place from it, elsewhere the torch path does."""
 from __future__ import annotations
 
 import math
