@@ -1,8 +1,7 @@
 // y = x W^T for bfloat16 x [M, K] and W [N, K] in ggml blocks, on AMX tiles: each panel of 32 weight rows is decoded
 // once to bfloat16 into a buffer that stays in L1/L2, then multiplied by every row of x with AMX's bfloat16 tile
-// products (float32 sums). It reads the blocks (0.56-1.06 bytes a weight) instead of a bfloat16 copy (2 bytes): on a
-// Sapphire Rapids VM it beat oneDNN on that copy from 2 to 16-32 rows; past that the tile products cost more than the
-// bytes saved, and the GEMM plan keeps oneDNN there (docs/cpu-performance.md).
+// products (float32 sums). It reads the blocks (0.56-1.06 bytes a weight) instead of a bfloat16 copy (2 bytes); the
+// GEMM plan times it against oneDNN on that copy per shape and batch (docs/cpu-performance.md has the figures).
 //
 // The tile product C += A B takes A as 16 rows of 32 bfloat16 and B as 16 rows of 16 bfloat16 pairs (VNNI), so
 // C[i][j] = sum_k A[i][k] B'[k][j]. A is the decoded weight panel as it lies (row = output feature), B is x packed
@@ -62,33 +61,68 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// One block's 32 weights as bfloat16 (q * scale + offset rounded once, as the dequantized copy holds them). A 4-bit
-// block looks its nibbles up in a table of its 16 possible values, which costs less than widening every nibble to a
-// float: the decode, not the tile products, is what bounds this kernel.
-inline __m512i lookup_nibbles(const uint8_t* qs, float scale, float offset) {
+// A 4-bit block's 32 weights as bfloat16 in *lookup order*: its 16 bytes broadcast to the four 128-bit lanes, lane L's
+// words shifted right by 4 L bits, so word i of lane L holds nibble L of bytes 2i, 2i+1 in its low bits, which look
+// up a table of the block's 16 values (q * scale + offset, rounded once). Slot 8 L + i then holds weight
+// kLookupOrder[8 L + i] (ggml puts weight j in byte j's low nibble, weight j + 16 in its high one); x is packed in the
+// same order, so the products sum the same pairs. vpermw reads 5 index bits: the table is held twice, so the bit
+// above the nibble does not matter. Two shuffles a block, where widening the nibbles took seven.
+constexpr int16_t kLookupOrder[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                      1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+inline __m512i lookup_block(const uint8_t* qs, const float& scale, const float& offset) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m256i table = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(offset)));
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(0x0F);
-  const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
-  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), _mm512_castsi256_si512(table));
+  const __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0x0008000800080008,
+                                           0x0008000800080008, 0x000C000C000C000C, 0x000C000C000C000C);
+  const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  return _mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes, shifts), table);
 }
 
+// The float16 at byte `at` of each of a row's blocks, as float32 (16 blocks a conversion).
+template <int64_t kBytes>
+void row_halves(const uint8_t* row, int64_t nblocks, int64_t at, float* out) {
+  for (int64_t b0 = 0; b0 < nblocks; b0 += kTile) {
+    const int64_t count = std::min<int64_t>(kTile, nblocks - b0);
+    alignas(32) uint16_t halves[kTile] = {};
+    for (int64_t j = 0; j < count; ++j) std::memcpy(&halves[j], row + (b0 + j) * kBytes + at, 2);
+    _mm512_mask_storeu_ps(out + b0, static_cast<__mmask16>((1u << count) - 1),
+                          _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(halves))));
+  }
+}
+
+// Per format: where a block's quantized values start, whether they decode in lookup order, and (for 4-bit blocks)
+// each block's scale and offset as float32, converted for a whole row at once.
 template <class B>
-inline __m512i decode_block(const uint8_t* b);
+struct AmxBlock;
 
 template <>
-inline __m512i decode_block<Q4_0>(const uint8_t* b) {
-  const float scale = half_to_float(b);
-  return lookup_nibbles(b + 2, scale, -8.0f * scale);
-}
+struct AmxBlock<Q4_0> {
+  static constexpr bool kLookup = true;
+  static constexpr int64_t kValues = 2;
+  static void scales(const uint8_t* row, int64_t nblocks, float* scale, float* offset) {
+    row_halves<Q4_0::kBytes>(row, nblocks, 0, scale);
+    for (int64_t blk = 0; blk < nblocks; ++blk) offset[blk] = -8.0f * scale[blk];
+  }
+};
 
 template <>
-inline __m512i decode_block<Q4_1>(const uint8_t* b) {
-  return lookup_nibbles(b + 4, half_to_float(b), half_to_float(b + 2));
-}
+struct AmxBlock<Q4_1> {
+  static constexpr bool kLookup = true;
+  static constexpr int64_t kValues = 4;
+  static void scales(const uint8_t* row, int64_t nblocks, float* scale, float* offset) {
+    row_halves<Q4_1::kBytes>(row, nblocks, 0, scale);
+    row_halves<Q4_1::kBytes>(row, nblocks, 2, offset);
+  }
+};
 
 template <>
-inline __m512i decode_block<Q8_0>(const uint8_t* b) {
+struct AmxBlock<Q8_0> {
+  static constexpr bool kLookup = false;
+};
+
+inline __m512i decode_q8_0(const uint8_t* b) {
   const __m512 scale = _mm512_set1_ps(half_to_float(b));
   const __m512 lo = _mm512_mul_ps(
       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), scale);
@@ -97,9 +131,10 @@ inline __m512i decode_block<Q8_0>(const uint8_t* b) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// Weight rows [n0, n0 + kPanel) as bfloat16 into `panel` (K values a row); rows past n are zeros.
+// Weight rows [n0, n0 + kPanel) as bfloat16 into `panel` (K values a row); rows past n are zeros. `scales` holds
+// 2 * nblocks floats (a row's scales, then its offsets).
 template <class B>
-void decode_panel(const uint8_t* w, int64_t nblocks, int64_t n, int64_t n0, uint16_t* panel) {
+void decode_panel(const uint8_t* w, int64_t nblocks, int64_t n, int64_t n0, uint16_t* panel, float* scales) {
   const int64_t k = nblocks * kBlock, row_bytes = nblocks * B::kBytes;
   for (int64_t i = 0; i < kPanel; ++i) {
     uint16_t* dst = panel + i * k;
@@ -108,38 +143,85 @@ void decode_panel(const uint8_t* w, int64_t nblocks, int64_t n, int64_t n0, uint
       continue;
     }
     const uint8_t* row = w + (n0 + i) * row_bytes;
-    for (int64_t blk = 0; blk < nblocks; ++blk) {
-      _mm512_storeu_si512(dst + blk * kBlock, decode_block<B>(row + blk * B::kBytes));
+    if constexpr (AmxBlock<B>::kLookup) {
+      float* offsets = scales + nblocks;
+      AmxBlock<B>::scales(row, nblocks, scales, offsets);
+      for (int64_t blk = 0; blk < nblocks; ++blk) {
+        _mm512_storeu_si512(dst + blk * kBlock,
+                            lookup_block(row + blk * B::kBytes + AmxBlock<B>::kValues, scales[blk], offsets[blk]));
+      }
+    } else {
+      for (int64_t blk = 0; blk < nblocks; ++blk) {
+        _mm512_storeu_si512(dst + blk * kBlock, decode_q8_0(row + blk * B::kBytes));
+      }
     }
   }
 }
 
+// A 16 x 16 block of 32-bit values transposed in registers (rows[i][j] -> rows[j][i]): 64 in-lane shuffles, where
+// 16-value gathers cost several times that (and far more on CPUs with the gather-data-sampling fix).
+inline void transpose16(__m512 rows[kTile]) {
+  __m512 pairs[kTile], quads[kTile];
+  for (int i = 0; i < kTile; i += 2) {
+    pairs[i] = _mm512_unpacklo_ps(rows[i], rows[i + 1]);
+    pairs[i + 1] = _mm512_unpackhi_ps(rows[i], rows[i + 1]);
+  }
+  // quads[4 g + c], 128-bit lane L: rows 4g..4g+3 of column 4L + c.
+  for (int g = 0; g < kTile; g += 4) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512d lo = _mm512_castps_pd(pairs[g + h]), hi = _mm512_castps_pd(pairs[g + 2 + h]);
+      quads[g + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
+      quads[g + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 front01 = _mm512_shuffle_f32x4(quads[c], quads[4 + c], 0x44);
+    const __m512 back01 = _mm512_shuffle_f32x4(quads[c], quads[4 + c], 0xEE);
+    const __m512 front23 = _mm512_shuffle_f32x4(quads[8 + c], quads[12 + c], 0x44);
+    const __m512 back23 = _mm512_shuffle_f32x4(quads[8 + c], quads[12 + c], 0xEE);
+    rows[c] = _mm512_shuffle_f32x4(front01, front23, 0x88);
+    rows[4 + c] = _mm512_shuffle_f32x4(front01, front23, 0xDD);
+    rows[8 + c] = _mm512_shuffle_f32x4(back01, back23, 0x88);
+    rows[12 + c] = _mm512_shuffle_f32x4(back01, back23, 0xDD);
+  }
+}
+
 // x [m, k] bfloat16 as B tiles: for x-row block r (16 rows) and k block b (32 features), 16 rows of 16 pairs,
-// pair j of row p = x[16 r + j][32 b + 2 p, + 1]. Rows of x past m (to a whole block) are zeros. Tile rows are
-// cache lines (torch's allocations are 64-byte aligned): a tile load that splits lines runs at half speed.
-inline torch::Tensor pack_x(const uint16_t* x, int64_t m, int64_t k, int64_t xblocks) {
+// pair j of row p = x[16 r + j][32 b + 2 p, + 1] (one transpose of 16 rows' 64 bytes), the block's features
+// in lookup order where the weights decode in it. Rows of x past m (to a whole
+// block) are zeros. Tile rows are cache lines (torch's allocations are 64-byte aligned): a tile load that splits
+// lines runs at half speed.
+inline torch::Tensor pack_x(const uint16_t* x, int64_t m, int64_t k, int64_t xblocks, bool lookup_order) {
   const int64_t kblocks = k / kBlock;
-  torch::Tensor packed = torch::zeros({xblocks * kblocks * kTile * kTile}, torch::kInt32);
-  for (int64_t row = 0; row < m; ++row) {
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x + row * k);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>()) +
-                    (row / kTile) * kblocks * kTile * kTile + row % kTile;
-    for (int64_t pair = 0; pair < k / 2; ++pair) dst[(pair / kTile) * kTile * kTile + (pair % kTile) * kTile] = pairs[pair];
+  const __m512i order = _mm512_loadu_si512(kLookupOrder);
+  torch::Tensor packed = torch::empty({xblocks * kblocks * kTile * kTile}, torch::kInt32);
+  float* dst = reinterpret_cast<float*>(packed.data_ptr<int32_t>());
+  __m512 rows[kTile];
+  for (int64_t r = 0; r < xblocks; ++r) {
+    for (int64_t b = 0; b < kblocks; ++b, dst += kTile * kTile) {
+      for (int64_t j = 0; j < kTile; ++j) {
+        const int64_t row = r * kTile + j;
+        rows[j] = row < m ? _mm512_loadu_ps(x + row * k + b * kBlock) : _mm512_setzero_ps();
+        if (lookup_order) rows[j] = (__m512)_mm512_permutexvar_epi16(order, (__m512i)rows[j]);
+      }
+      transpose16(rows);
+      for (int64_t p = 0; p < kTile; ++p) _mm512_store_ps(dst + p * kTile, rows[p]);
+    }
   }
   return packed;
 }
 
-// y[row][n0 + i] for the tile's 16 weight rows i and 16 rows of x (tile column j = row r0 + j), as bfloat16.
+// y[r0 + j][n0 + i] for the tile's 16 weight rows i and 16 rows of x j (the tile transposed), as bfloat16.
 inline void write_tile(const float* tile, const float* bias, int64_t n, int64_t n0, int64_t m, int64_t r0,
                        uint16_t* y) {
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(kTile));
   const int64_t valid = std::min<int64_t>(kTile, n - n0);
   const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
   const __m512 add = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias + n0);
+  __m512 rows[kTile];
+  for (int i = 0; i < kTile; ++i) rows[i] = _mm512_load_ps(tile + i * kTile);
+  transpose16(rows);
   for (int64_t j = 0; j < kTile && r0 + j < m; ++j) {
-    const __m512 values = _mm512_add_ps(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(j)), tile, 4), add);
-    _mm256_mask_storeu_epi16(y + (r0 + j) * n + n0, mask, (__m256i)_mm512_cvtneps_pbh(values));
+    _mm256_mask_storeu_epi16(y + (r0 + j) * n + n0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(rows[j], add)));
   }
 }
 
@@ -180,7 +262,7 @@ inline void panel_products(const uint16_t* panel, int64_t k, const uint32_t* b0,
 template <class B>
 void amx_gemm(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, uint16_t* y) {
   const int64_t kblocks = k / kBlock, xblocks = (m + kTile - 1) / kTile;
-  const torch::Tensor packed_x = pack_x(x, m, k, xblocks);
+  const torch::Tensor packed_x = pack_x(x, m, k, xblocks, AmxBlock<B>::kLookup);
   const uint32_t* packed = reinterpret_cast<const uint32_t*>(packed_x.data_ptr<int32_t>());
   const int64_t btile = kTile * kTile, panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -188,10 +270,11 @@ void amx_gemm(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t
     // Rows of k bfloat16, a multiple of 64 bytes (k is of whole 32-weight blocks), from an aligned start.
     const torch::Tensor panel_buffer = torch::empty({kPanel * k}, torch::kInt16);
     uint16_t* panel = reinterpret_cast<uint16_t*>(panel_buffer.data_ptr<int16_t>());
+    std::vector<float> scales(2 * kblocks);
     alignas(64) float c[4][kTile * kTile];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
-      decode_panel<B>(w, kblocks, n, n0, panel);
+      decode_panel<B>(w, kblocks, n, n0, panel, scales.data());
       for (int64_t xb = 0; xb < xblocks; xb += 2) {
         const uint32_t* b0 = packed + xb * kblocks * btile;
         const bool pair = xb + 1 < xblocks;
