@@ -27,8 +27,9 @@ CT_SCHEMES: dict[str, tuple[str, dict, dict | None]] = {
 }
 
 
-def write_compressed_tensors(src: Path, scheme_name: str, out: Path) -> Path:
-    """`src` (a float checkpoint) quantized by compressed-tensors with CT_SCHEMES[scheme_name], LM head left float."""
+def write_compressed_tensors(src: Path, scheme_name: str, out: Path, group_size: int | None = None) -> Path:
+    """`src` (a float checkpoint) quantized by compressed-tensors with CT_SCHEMES[scheme_name] (its group size
+    replaced by `group_size` if given), LM head left float."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -39,6 +40,8 @@ def write_compressed_tensors(src: Path, scheme_name: str, out: Path) -> Path:
     from compressed_tensors.quantization.utils import calculate_qparams
 
     fmt, weights, activations = CT_SCHEMES[scheme_name]
+    if group_size is not None:
+        weights = {**weights, "group_size": group_size}
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
                                 input_activations=QuantizationArgs(**activations) if activations else None)
