@@ -6,7 +6,7 @@
 // The tile product C += A B takes A as 16 rows of 32 bfloat16 and B as 16 rows of 16 bfloat16 pairs (VNNI), so
 // C[i][j] = sum_k A[i][k] B'[k][j]. A is the decoded weight panel as it lies (row = output feature), B is x packed
 // once per call into pairs (row = pair of input features, column = row of x): C is y transposed, and each C tile is
-// written back to y column by column. Built only where the compiler targets AMX-BF16 (-march=native on a CPU with
+// transposed in registers on its way back to y. Built only where the compiler targets AMX-BF16 (-march=native on a CPU with
 // it); `amx_available()` also needs the kernel's permission to use the tile registers.
 #pragma once
 
@@ -26,6 +26,7 @@
 #endif
 
 #include "block_formats.h"
+#include "transpose16.h"
 
 namespace raylm {
 namespace quant {
@@ -155,34 +156,6 @@ void decode_panel(const uint8_t* w, int64_t nblocks, int64_t n, int64_t n0, uint
         _mm512_storeu_si512(dst + blk * kBlock, decode_q8_0(row + blk * B::kBytes));
       }
     }
-  }
-}
-
-// A 16 x 16 block of 32-bit values transposed in registers (rows[i][j] -> rows[j][i]): 64 in-lane shuffles, where
-// 16-value gathers cost several times that (and far more on CPUs with the gather-data-sampling fix).
-inline void transpose16(__m512 rows[kTile]) {
-  __m512 pairs[kTile], quads[kTile];
-  for (int i = 0; i < kTile; i += 2) {
-    pairs[i] = _mm512_unpacklo_ps(rows[i], rows[i + 1]);
-    pairs[i + 1] = _mm512_unpackhi_ps(rows[i], rows[i + 1]);
-  }
-  // quads[4 g + c], 128-bit lane L: rows 4g..4g+3 of column 4L + c.
-  for (int g = 0; g < kTile; g += 4) {
-    for (int h = 0; h < 2; ++h) {
-      const __m512d lo = _mm512_castps_pd(pairs[g + h]), hi = _mm512_castps_pd(pairs[g + 2 + h]);
-      quads[g + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi));
-      quads[g + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi));
-    }
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 front01 = _mm512_shuffle_f32x4(quads[c], quads[4 + c], 0x44);
-    const __m512 back01 = _mm512_shuffle_f32x4(quads[c], quads[4 + c], 0xEE);
-    const __m512 front23 = _mm512_shuffle_f32x4(quads[8 + c], quads[12 + c], 0x44);
-    const __m512 back23 = _mm512_shuffle_f32x4(quads[8 + c], quads[12 + c], 0xEE);
-    rows[c] = _mm512_shuffle_f32x4(front01, front23, 0x88);
-    rows[4 + c] = _mm512_shuffle_f32x4(front01, front23, 0xDD);
-    rows[8 + c] = _mm512_shuffle_f32x4(back01, back23, 0x88);
-    rows[12 + c] = _mm512_shuffle_f32x4(back01, back23, 0xDD);
   }
 }
 
