@@ -14,8 +14,10 @@ from safetensors.numpy import load_file
 
 from raylm.cluster.models.tiny_tokenizer import SPECIAL_TOKENS
 
-ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+# Mistral's checkpoints convert as llama files (llama.cpp has no mistral architecture for them).
+ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+         "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+         "Phi3ForCausalLM": "phi3"}
 PRE_TOKENIZERS = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma2": "llama-bpe",
                   "gemma3": "llama-bpe", "phi3": "llama-bpe"}
 

@@ -17,7 +17,7 @@ from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.configs.gguf_metadata import read_gguf_config
 from tests.gguf_files import write_gguf
-from tests.reference import TOP_K, check_logprobs_close, model_greedy
+from tests.reference import TOP_K, check_logprobs_close, hf_greedy, model_greedy
 from tests.rope_checkpoints import with_config
 
 Q = gguf.GGMLQuantizationType
@@ -36,6 +36,7 @@ CASES = [("gemma2", Q.F16), ("gemma2", Q.Q8_0), ("gemma3", Q.F32), ("gemma3", Q.
 # Longer than the windows, and than Phi-3's original context (32), past which both rotate with the long factors.
 PROMPTS = [list(range(40, 74)), [7, 300, 12, 5] * 12]
 MAX_TOKENS = 8
+Result = list[tuple[list[int], list[dict[int, float]]]]
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +74,22 @@ def test_config_from_metadata(gguf_file: tuple[Path, Path]) -> None:
     assert ours_rope == original_rope
 
 
-@torch.inference_mode()
 def test_generation_matches_transformers(gguf_file: tuple[Path, Path]) -> None:
     """raylm in float32, the file's blocks kept packed, generates what transformers generates in float32 from the same
     file (Gemma's norms with their folded one taken off, Phi-3's fused qkv / gate_up split by the loaders). transformers
     reads none of the family settings from a GGUF, so it gets the checkpoint's config."""
     checkpoint, path = gguf_file
+    assert check_logprobs_close(_transformers(checkpoint, path), _raylm(path), path.name) == 0
+
+
+@torch.inference_mode()
+def _transformers(checkpoint: Path, path: Path) -> Result:
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
                                                  config=AutoConfig.from_pretrained(checkpoint)).eval()
-    reference = model_greedy(model, PROMPTS, MAX_TOKENS)
+    return model_greedy(model, PROMPTS, MAX_TOKENS)
+
+
+def _raylm(path: Path) -> Result:
     llm = LLM(model=str(path), dtype="float32", max_model_len=MAX_POSITION, enable_prefix_caching=False)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -89,8 +97,18 @@ def test_generation_matches_transformers(gguf_file: tuple[Path, Path]) -> None:
                                use_tqdm=False)
     finally:
         llm.shutdown()
-    ours = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
-    assert check_logprobs_close(reference, ours, path.name) == 0
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
+
+
+def test_mistral_file_runs_as_llama(tmp_path: Path) -> None:
+    """A Mistral checkpoint (no window, as from v0.2 on) converts to a llama file: raylm runs it as Llama and
+    generates what transformers' Mistral generates from the checkpoint (the file in float32: the same weights;
+    transformers builds no Mistral from a llama file)."""
+    checkpoint = make_tiny_model(tmp_path / "mistral", arch="mistral", vocab_size=512,
+                                 max_position_embeddings=MAX_POSITION)
+    path = write_gguf(checkpoint, tmp_path / "mistral-F32.gguf", Q.F32, Q.F32)
+    assert read_gguf_config(path).architectures == ["LlamaForCausalLM"]
+    assert check_logprobs_close(hf_greedy(checkpoint, PROMPTS, MAX_TOKENS), _raylm(path), path.name) == 0
 
 
 def test_sentencepiece_vocabulary_runs_with_the_hf_tokenizer(family_checkpoints: dict[str, Path],
