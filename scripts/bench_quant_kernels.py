@@ -1,12 +1,14 @@
 """Weight-only quantized matmul kernels on CPU, side by side on one model's weight shapes: float32 F.linear, torch's own
 weight-only ops (`_weight_int8pack_mm`: int8, one scale per output channel; `_weight_int4pack_mm_for_cpu`: 4-bit
-groups of 32 with a scale and a zero, fed float32 or bfloat16 activations), raylm's block kernels (Q8_0, Q4_1) and
+groups of 32 with a scale and a zero, fed float32 or bfloat16 activations), raylm's block kernels (Q8_0, Q4_1), its AMX
+kernel where the CPU has AMX-BF16 (bfloat16 activations, panels of blocks decoded to bfloat16 in cache) and
 the float kernels a quantized layer's GEMM plan weighs against them (runner/layers/cpu_gemm.py): sgemm, oneDNN and the
 skinny kernel on a dequantized copy, float32 for float32 activations, bfloat16 for bfloat16 ones (`dtype: auto` for a
 quantized model on a CPU with bfloat16 dot products), where the block kernel takes x upcast and rounds its result.
 A summary follows: per batch, each quantized layer against float32 (best of sgemm, oneDNN, skinny): the block kernel
 alone (raylm before its plan took quantized layers), planned in float32 (the faster of the block kernel and float32's
-kernels on a float32 copy) and planned in bfloat16 (the faster of the block kernel and bfloat16's on a bfloat16 copy).
+kernels on a float32 copy) and planned in bfloat16 (the fastest of the block kernel, the AMX kernel and bfloat16's on
+a bfloat16 copy).
 
 Each kernel cycles through enough copies of its weights to overflow the CPU caches (as a decode step streams every
 layer's weights from memory), the kernels' calls interleave, and each figure is the median of the rounds, or with
@@ -90,10 +92,14 @@ def kernels_for_shape(n: int, k: int, copies: int,
         "bf16 raylm Q8_0": lambda x, xb, i: kernels.block_linear(xb.float(), q8[i], Q8_0, None).bfloat16(),
         "bf16 raylm Q4_1": lambda x, xb, i: kernels.block_linear(xb.float(), q4[i], Q4_1, None).bfloat16(),
     }
+    amx = kernels.amx_kernels_for(torch.device("cpu"), torch.bfloat16)
+    if amx is not None:  # AMX tiles over panels decoded to bfloat16 (csrc/quant/amx_gemm.h)
+        calls["bf16 amx Q8_0"] = lambda x, xb, i: kernels.amx_linear(xb, q8[i], Q8_0, None, amx)
+        calls["bf16 amx Q4_1"] = lambda x, xb, i: kernels.amx_linear(xb, q4[i], Q4_1, None, amx)
     if not with_torch:
         calls = {name: call for name, call in calls.items() if "torch" not in name}
     references = {"torch int8": int8[0].float() * scales[0][:, None], "raylm Q8_0": dequantize(q8[0], Q8_0),
-                  "bf16 raylm Q8_0": dequantize(q8[0], Q8_0)}
+                  "bf16 raylm Q8_0": dequantize(q8[0], Q8_0), "bf16 amx Q8_0": dequantize(q8[0], Q8_0)}
     x = torch.randn(3, k)
     for name, call in calls.items():
         tolerance = 5e-2 if "bf16" in name else 1e-3
@@ -136,7 +142,8 @@ def bench(shapes: list[tuple[str, int, int, int]], rows: list[int], rounds: int,
             for method, fmt in (("int8", "Q8_0"), ("int4", "Q8_0" if layer == "lm_head" else "Q4_1")):
                 medians[f"{method} blocks"] = medians[f"raylm {fmt}"]
                 medians[f"{method} planned"] = min(medians[f"raylm {fmt}"], medians["float32 best"])
-                medians[f"{method} planned bf16"] = min(medians[f"bf16 raylm {fmt}"], bf16_best)
+                medians[f"{method} planned bf16"] = min(medians[f"bf16 raylm {fmt}"], bf16_best,
+                                                        medians.get(f"bf16 amx {fmt}", float("inf")))
             summed.setdefault(m, {name: 0.0 for name in medians})
             for name, value in medians.items():
                 summed[m][name] += value * count
