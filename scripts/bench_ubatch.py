@@ -44,7 +44,7 @@ def make_runner(model: str, max_tokens: int, dbo: bool) -> ModelRunner:
     config = resolve_engine_config(make_engine_config(
         model=model, device="cpu", data_parallel_size=2, enable_expert_parallel=True,
         max_num_batched_tokens=max_tokens * PROMPT_LEN, max_num_seqs=max_tokens, max_model_len=256,
-        block_size=BLOCK_SIZE, **(DBO if dbo else {})))
+        block_size=BLOCK_SIZE, record_forwards=True, **(DBO if dbo else {})))
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(max_tokens * 2 + 8)
@@ -110,8 +110,10 @@ def _rank(rank: int, store: str, model: str, sizes: list[int], repeats: int, out
             rows.append(dict(kind=kind, tokens=size, eager_ms=1e3 * statistics.median(times[False]),
                              dbo_ms=1e3 * statistics.median(times[True])))
     # Both ranks always have the same batch: every forward with micro-batching on was cut in two.
-    assert runners[True].counts.ubatched == runners[True].counts.forwards
-    assert runners[False].counts.ubatched == 0
+    dbo_log, eager_log = runners[True].forward_log, runners[False].forward_log
+    assert dbo_log is not None and eager_log is not None, "record_forwards counts the forwards"
+    assert dbo_log.counts.ubatched == dbo_log.counts.forwards
+    assert eager_log.counts.ubatched == 0
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(rows))
 
 

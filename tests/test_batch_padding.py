@@ -116,9 +116,9 @@ def test_padded_runner_samples_the_same(llama_path: Path, attention_backend: str
     settings = dict(attention_backend=attention_backend, block_size=block_size)
     expected_tokens, expected_logits = serve(make_runner(llama_path, **settings))
     # 13 never matches a batch here: the decodes of 2 requests are padded to 3 (mixed batches run unpadded).
-    runner = make_runner(llama_path, cudagraph_capture_sizes=[3, 13], **settings)
+    runner = make_runner(llama_path, cudagraph_capture_sizes=[3, 13], record_forwards=True, **settings)
     tokens, logits = serve(runner)
-    assert runner.counts.padded == 4
+    assert runner.forward_log.counts.padded == 4
     assert tokens == expected_tokens
     for ours, reference in zip(logits, expected_logits):
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)

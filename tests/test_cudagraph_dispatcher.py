@@ -116,7 +116,8 @@ def test_bad_settings_name_the_field(settings: dict[str, Any], message: str) -> 
 
 @pytest.mark.usefixtures(model_parallel_of_one.__name__)
 def test_runner_detects_uniform_decode_and_pads(llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    runner = make_runner(llama_path, cudagraph_capture_sizes=[3, 8], log_batch_execution=True)
+    runner = make_runner(llama_path, cudagraph_capture_sizes=[3, 8], log_batch_execution=True,
+                         record_forwards=True)
     descriptors = []
     assert runner.planner is not None
     decide = runner.planner.determine_batch_execution_and_padding
@@ -134,7 +135,7 @@ def test_runner_detects_uniform_decode_and_pads(llama_path: Path, caplog: pytest
     run_step(runner, steps.schedule({"d": [11] * 9}))  # past the largest size: eager, unpadded
     got = [(d.num_tokens, d.num_reqs, d.uniform_decode, d.cudagraph_mode, d.num_tokens_padded) for d in descriptors]
     assert got == [(7, 2, False, NONE, 7), (2, 2, True, FULL, 3), (4, 2, False, NONE, 4), (9, 1, False, NONE, 9)]
-    assert runner.counts.padded == 1
+    assert runner.forward_log.counts.padded == 1
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("forward:")]
     assert lines[1] == ("forward: 2 tokens of 2 requests (uniform decode), padded to 3, cudagraph FULL, "
                         "ubatches none, DP tokens None")

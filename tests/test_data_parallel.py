@@ -82,7 +82,7 @@ def test_dense_dp2_by_pp2_equals_dp1(ray_cluster: Any, llama_path: Path) -> None
     single = LLM(model=str(llama_path), **ENGINE)
     reference = generate(single, prompts)
     single.shutdown()
-    llm = LLM(model=str(llama_path), data_parallel_size=2, pipeline_parallel_size=2, **ENGINE)
+    llm = LLM(model=str(llama_path), data_parallel_size=2, pipeline_parallel_size=2, record_forwards=True, **ENGINE)
     try:
         assert_same_output(generate(llm, prompts), reference)
         assert len(llm.collective_rpc("forward_counts")) == 4  # 2 engines x 2 stages

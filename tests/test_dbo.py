@@ -37,7 +37,7 @@ SCHEDULES = [
 
 
 def _serve(rank: int, model: str, settings: dict[str, Any]) -> dict[str, Any]:
-    runner = make_runner(model, **LOCKSTEP, **settings)
+    runner = make_runner(model, **LOCKSTEP, record_forwards=True, **settings)
     decisions: list[bool] = []
     assert runner.planner is not None
     decide = runner.planner.determine_batch_execution_and_padding
@@ -54,8 +54,8 @@ def _serve(rank: int, model: str, settings: dict[str, Any]) -> dict[str, Any]:
         sampled, step_logits = run_step(runner, steps.schedule(prompts, decodes))
         tokens.append(sampled)
         logits.append(step_logits.tolist())
-    return dict(tokens=tokens, logits=logits, should_ubatch=decisions, forwards=runner.counts.forwards,
-                coordinations=runner.planner.dp_group.num_cpu_all_reduces, ubatched=runner.counts.ubatched)
+    return dict(tokens=tokens, logits=logits, should_ubatch=decisions, forwards=runner.forward_log.counts.forwards,
+                coordinations=runner.planner.dp_group.num_cpu_all_reduces, ubatched=runner.forward_log.counts.ubatched)
 
 
 def _two_runners(rank: int, store: str, model: str, out_dir: str, rank_settings: str) -> None:

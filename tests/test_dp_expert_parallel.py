@@ -17,8 +17,9 @@ from raylm.cluster.dp.dp_client import DPEngineCoreClient
 from tests.reference import TOP_K, assert_same_output, check_logprobs_close, hf_greedy
 
 MAX_TOKENS = 8
+# record_forwards: the workers count their forwards (assert_lockstep; test_dbo's batch_execution_counts).
 ENGINE = dict(max_model_len=256, block_size=16, max_num_seqs=8, num_gpu_blocks_override=64,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, record_forwards=True)
 Result = list[tuple[list[int], list[dict[int, float]]]]
 
 pytestmark = pytest.mark.slow

@@ -111,7 +111,8 @@ def test_coordinate_batch_across_dp_over_gloo(tmp_path: Path) -> None:
 def make_runner(model: str, lockstep: bool = False) -> ModelRunner:
     """`lockstep`: the resolved config says the DP ranks step together (as resolution decides for MoE with expert
     parallel over DP), here on a dense model so that its tokens are easy to check."""
-    config = resolved_config(model=model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    config = resolved_config(model=model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                             record_forwards=True)
     if lockstep:
         config = dataclasses.replace(config, resolution=dataclasses.replace(config.resolved, dp_lockstep=True))
     runner = ModelRunner(config, torch.device("cpu"))
@@ -160,9 +161,9 @@ def test_dummy_batch_is_one_forward_that_changes_nothing(llama_path: Path) -> No
     batch = runner.input_batch
     before = (list(batch.req_ids), batch.num_tokens.copy(), batch.token_ids_cpu.copy(),
               batch.num_computed_tokens_cpu.copy(), [c.clone() for c in runner.kv_caches])
-    num_forwards = runner.counts.forwards
+    num_forwards = runner.forward_log.counts.forwards
     runner.execute_dummy_batch()
-    assert runner.counts.forwards == num_forwards + 1
+    assert runner.forward_log.counts.forwards == num_forwards + 1
     assert get_dp_group().num_cpu_all_reduces == 0  # a DP world of one coordinates nothing
     assert runner.execute_model_state is None
     after = (list(batch.req_ids), batch.num_tokens, batch.token_ids_cpu, batch.num_computed_tokens_cpu,
@@ -173,9 +174,9 @@ def test_dummy_batch_is_one_forward_that_changes_nothing(llama_path: Path) -> No
     assert all(torch.equal(old, new) for old, new in zip(before[4], after[4]))
 
     # The request goes on as if no dummy batch had run; an empty step runs no forward at all.
-    num_forwards = runner.counts.forwards
+    num_forwards = runner.forward_log.counts.forwards
     assert runner.execute_model(SchedulerOutput.empty()).req_ids == []
-    assert runner.counts.forwards == num_forwards
+    assert runner.forward_log.counts.forwards == num_forwards
     for index in range(2, 5):
         step(runner, index, tokens, logits)
         runner.execute_dummy_batch()
@@ -224,7 +225,7 @@ def _dp_runner(rank: int, store: str, model: str, out_dir: str) -> None:
         runner.execute_dummy_batch()
         assert runner.execute_model(SchedulerOutput.empty()).req_ids == []
         runner.execute_dummy_batch()
-    result = dict(tokens=tokens, descriptors=descriptors, forwards=runner.counts.forwards,
+    result = dict(tokens=tokens, descriptors=descriptors, forwards=runner.forward_log.counts.forwards,
                   coordinations=get_dp_group().num_cpu_all_reduces)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     _shutdown()

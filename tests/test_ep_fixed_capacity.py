@@ -99,7 +99,7 @@ SCHEDULES = [
 
 
 def _serve(rank: int, model: str, settings: dict[str, Any]) -> dict[str, Any]:
-    runner = make_runner(model, **LOCKSTEP, **settings)
+    runner = make_runner(model, **LOCKSTEP, record_forwards=True, **settings)
     calls = {"fixed": 0, "variable": 0}
     for name, manager in (("fixed", runner_manager(runner, "fixed_all2all")),
                           ("variable", runner_manager(runner, "all2all"))):
@@ -119,7 +119,7 @@ def _serve(rank: int, model: str, settings: dict[str, Any]) -> dict[str, Any]:
         sampled, step_logits = run_step(runner, steps.schedule(prompts, decodes))
         tokens.append(sampled)
         logits.append(step_logits.tolist())
-    return dict(tokens=tokens, logits=logits, calls=calls, forwards=runner.counts.forwards)
+    return dict(tokens=tokens, logits=logits, calls=calls, forwards=runner.forward_log.counts.forwards)
 
 
 def runner_manager(runner: Any, name: str) -> Any:

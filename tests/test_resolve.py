@@ -148,7 +148,8 @@ def test_every_layer_follows_the_resolved_fields(llama_path: Path) -> None:
     attention backend, dtype, graph plan and lock-step, the worker's lock-step world, the executor class, the
     engine's batch queue and the executor's step thread, the scheduler's and runner's max_model_len, the Serve
     builder's replica resources."""
-    config = resolve_engine_config(make_engine_config(model=str(llama_path), max_num_seqs=4, max_model_len=256))
+    config = resolve_engine_config(make_engine_config(model=str(llama_path), max_num_seqs=4, max_model_len=256,
+                                                      record_forwards=True))
     resolved = config.resolved
     assert (resolved.attention_backend, resolved.dtype, resolved.cudagraph.mode) == ("cpu", "float32", "NONE")
     changed = dataclasses.replace(
@@ -171,7 +172,7 @@ def test_every_layer_follows_the_resolved_fields(llama_path: Path) -> None:
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
-        assert runner.counts.padded > 0  # the decodes of one request padded to 2, as the plan says
+        assert runner.forward_log.counts.padded > 0  # the decodes of one request padded to 2, as the plan says
     finally:
         llm.shutdown()
 

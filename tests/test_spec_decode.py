@@ -43,7 +43,7 @@ class Run:
 
 
 def generate(path: Path, params: SamplingParams | None = None, **settings: Any) -> Run:
-    llm = LLM(model=str(path), max_model_len=256, block_size=16, **settings)
+    llm = LLM(model=str(path), max_model_len=256, block_size=16, record_forwards=True, **settings)
     params = params or SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params, use_tqdm=False)
     engine_core = llm.llm_engine.engine_core

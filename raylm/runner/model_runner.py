@@ -31,7 +31,6 @@ from raylm.runner.batch_planner import BatchPlanner, log_batch_execution
 from raylm.runner.cuda_graph import DecodeGraphs
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from raylm.runner.forward_context import set_forward_context
-from raylm.runner.forward_counts import CountForwards, ForwardCounts
 from raylm.runner.forward_log import ForwardLog
 from raylm.runner.host_sync import to_host
 from raylm.runner.input_batch import InputBatch
@@ -103,8 +102,8 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobsProcessor(self.max_num_reqs)
         self.pooler = Pooler()
         self.profile = ProfileRun(self.buffers, self.attn_backend, self.sampler, self.dtype, self.max_model_len)
-        self.counts = ForwardCounts()
-        # The graph key of recent forwards, for scripts/gpu_proof.py: a diagnostic, kept only when asked for.
+        # The graph key of recent forwards (scripts/gpu_proof.py) and the forwards' counts (tests): a diagnostic, kept
+        # only when asked for, so that without it the hot path records and counts nothing.
         self.forward_log = ForwardLog() if config.observability_config.record_forwards else None
         self.log_batch_execution = config.observability_config.log_batch_execution
         # Built by load_model, which knows the process groups (a runner is built before, and tested without, them).
@@ -131,7 +130,6 @@ class ModelRunner:
                                 pp_rank=pp.rank_in_group, pp_size=pp.world_size,
                                 partition=self.config.parallel_config.pp_layer_partition,
                                 quantization=self.config.resolved.quantization)
-        self.model.register_forward_pre_hook(CountForwards(self.counts))
         if self.config.lora_config.enable_lora:
             self.lora_manager = LoRAManager(self.model, self.config.lora_config, self.buffers.max_num_tokens,
                                             self.dtype, self.device)
@@ -291,7 +289,6 @@ class ModelRunner:
         n = descriptor.num_tokens_padded
         if n > num_tokens:
             buffers.pad(num_tokens, n)
-            self.counts.padded += 1
         if intermediate_tensors is None and not get_pp_group().is_first_rank:
             intermediate_tensors = model.make_empty_intermediate_tensors(n, self.dtype, self.device)
         # The previous stage took the same decision for the same batch, so it sent n rows.
@@ -308,7 +305,6 @@ class ModelRunner:
         if self.forward_log is not None:
             self.forward_log.record(descriptor, common is not None and graphs.should_replay(descriptor), replay)
         if ubatch_slices is not None:
-            self.counts.ubatched += 1
             with tracing.span("forward", num_tokens=n, ubatches=len(ubatch_slices)):
                 return forward_in_ubatches(model, buffers, self.attn_backend, descriptor, ubatch_slices, common,
                                            intermediate_tensors)

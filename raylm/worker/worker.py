@@ -14,6 +14,7 @@ from raylm.common.lora_request import LoRARequest
 from raylm.common.outputs import GrammarOutput, IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
+from raylm.runner.forward_log import ForwardCounts
 from raylm.runner.lora.worker_manager import LoRAManager
 from raylm.runner.model_runner import ModelRunner
 from raylm.runner.parallel_state import (
@@ -198,13 +199,20 @@ class Worker:
 
     def forward_counts(self) -> tuple[int, int]:
         """(forwards the model ran, all-reduces completed on the DP group's CPU group) so far, counted apart: under
-        lock-step DP every forward joins one coordination, so the two are equal on every rank."""
-        return self._runner().counts.forwards, get_dp_group().num_cpu_all_reduces
+        lock-step DP every forward joins one coordination, so the two are equal on every rank. With record_forwards."""
+        return self._forward_counts("forward_counts").forwards, get_dp_group().num_cpu_all_reduces
 
     def batch_execution_counts(self) -> dict[str, int]:
-        """Forwards run padded, and micro-batched, so far (how the batch decisions went)."""
-        counts = self._runner().counts
+        """Forwards run padded, and micro-batched, so far (how the batch decisions went). With record_forwards."""
+        counts = self._forward_counts("batch_execution_counts")
         return {"padded": counts.padded, "ubatched": counts.ubatched}
+
+    def _forward_counts(self, method: str) -> ForwardCounts:
+        forward_log = self._runner().forward_log
+        if forward_log is None:
+            raise ValueError(f"{method}: forwards are counted only with record_forwards=True (observability_config), "
+                             f"which is off here; build the engine with record_forwards=True")
+        return forward_log.counts
 
     def cuda_graph_report(self) -> dict[str, Any]:
         """The sizes FULL graphs are captured for, the graphs captured and replayed per padded size so far, and the
