@@ -13,6 +13,7 @@ import pytest
 
 from raylm.configs import make_engine_config
 from raylm.configs.cudagraph_plan import default_capture_sizes, plan_cuda_graphs
+from raylm.runner.attention import CPUAttentionBackend
 from raylm.runner.batch_descriptor import CUDAGraphMode
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
 from tests.runner_steps import Steps, make_runner, model_parallel_of_one, run_step
@@ -139,3 +140,24 @@ def test_runner_detects_uniform_decode_and_pads(llama_path: Path, caplog: pytest
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("forward:")]
     assert lines[1] == ("forward: 2 tokens of 2 requests (uniform decode), padded to 3, cudagraph FULL, "
                         "ubatches none, DP tokens None")
+
+
+@pytest.mark.usefixtures(model_parallel_of_one.__name__)
+@pytest.mark.skipif(not CPUAttentionBackend.is_available(), reason="no CPU kernels")
+def test_decode_graphs_follow_the_resolved_plan_only(llama_path: Path) -> None:
+    """Whether the runner has FULL decode graphs, and so a scratch block past the scheduler's for their padding rows,
+    is the resolved plan's (resolution turns FULL off where the backend cannot replay), whatever the backend: the
+    cpu backend under a FULL plan reserves the block, the torch backend under NONE does not."""
+    for backend, block_size, sizes, mode in (("cpu", 16, [4], "FULL_DECODE_ONLY"), ("torch", 4, None, "NONE")):
+        runner = make_runner(llama_path, attention_backend=backend, block_size=block_size,
+                             cudagraph_capture_sizes=sizes, record_forwards=True)
+        assert runner.config.resolved.cudagraph.mode == mode and runner.graphs is not None
+        full = mode != "NONE"
+        assert runner.graphs.enabled == full
+        assert runner.graphs.scratch_slot == (32 * block_size if full else -1)  # make_runner's 32 blocks
+        assert runner.kv_caches[0].shape[1] == 32 + full
+        steps = Steps(block_size)
+        run_step(runner, steps.schedule({"a": [5, 6, 7], "b": [3, 4]}))
+        tokens, _ = run_step(runner, steps.schedule(decodes={"a": 1, "b": 1}))  # padded to 4 under FULL
+        assert runner.forward_log is not None and runner.forward_log.counts.padded == full
+        assert sorted(tokens) == ["a", "b"]

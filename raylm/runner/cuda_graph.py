@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raylm.runner.attention.backend import AttentionBackend, AttentionCGSupport
+from raylm.runner.attention.backend import AttentionBackend
 from raylm.runner.attention.common import CommonAttentionMetadata
 from raylm.runner.batch_descriptor import BatchDescriptor, CUDAGraphMode
 from raylm.runner.cudagraph_dispatcher import CudagraphDispatcher
@@ -68,10 +68,10 @@ class DecodeGraphs:
 
     @property
     def enabled(self) -> bool:
-        """Whether FULL graphs of uniform decode batches can be built: the backend has a fixed-buffer decode. True on
-        CPU too when FULL is asked for there, so that path runs in tests (nothing is captured on CPU)."""
-        fixed_buffer_decode = self.attn_backend.cudagraph_support >= AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        return bool(self.dispatcher.full_capture_sizes) and fixed_buffer_decode
+        """Whether the resolved graph plan has FULL graphs of uniform decode batches (configs/cudagraph_plan.py turned
+        FULL off where the backend has no fixed-buffer decode). True on CPU too when FULL is asked for there, so that
+        the padding and scratch-slot paths run in tests (nothing is captured on CPU)."""
+        return bool(self.dispatcher.full_capture_sizes)
 
     def capture(self, model: torch.nn.Module) -> int:
         """Capture the FULL graphs of uniform decode batches (CUDA, after the KV cache exists); returns how many."""
