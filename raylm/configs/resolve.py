@@ -25,6 +25,7 @@ from raylm.configs.resolve_sections import (
     resolve_routing_policy,
     resolve_speculative,
     structured_outputs_backends,
+    uniform_decode_query_len,
 )
 from raylm.configs.scheduler_defaults import UsageContext, resolve_scheduler_config
 
@@ -115,7 +116,7 @@ def resolve_config(config: EngineConfig, model_info: ModelInfo, env: Environment
     attention_backend = choose_attention_backend(config.cache_config.attention_backend, device, dtype,
                                                  config.cache_config.block_size, compilation.custom_ops != "none", env,
                                                  attention_features(model_info.hf_config))
-    query_len = 1 if speculative is None else 1 + speculative.num_speculative_tokens
+    query_len = uniform_decode_query_len(speculative)
     why_no_full = why_no_full_graphs(model_info.is_moe, pp > 1, device, dtype, attention_backend, query_len,
                                      env.cuda_capability)
     resolution = ResolvedConfig(

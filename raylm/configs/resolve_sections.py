@@ -23,7 +23,7 @@ def resolve_speculative(config: EngineConfig, model_info: ModelInfo, draft: Mode
     if parallel.pipeline_parallel_size > 1:
         raise ValueError("speculative_config: not supported with pipeline_parallel_size > 1: drafts are verified on "
                          "the last stage, and the first stage would need them before the step's output comes back")
-    if k + 1 > config.scheduler_config.max_num_batched_tokens:
+    if uniform_decode_query_len(spec) > config.scheduler_config.max_num_batched_tokens:
         raise ValueError(f"speculative_config.num_speculative_tokens ({k}) + 1 must be <= max_num_batched_tokens "
                          f"({config.scheduler_config.max_num_batched_tokens}): a decode step verifies k drafts at once")
     if spec.method == "ngram":
@@ -60,6 +60,12 @@ def resolve_speculative(config: EngineConfig, model_info: ModelInfo, draft: Mode
     check_draft_tensor_parallel(draft, model_info, tp, quantization, parallel.enable_expert_parallel)
     check_draft_quantization(draft, tp)
     return spec.model_copy(update={"draft_tensor_parallel_size": tp})
+
+
+def uniform_decode_query_len(spec: SpeculativeConfig | None) -> int:
+    """Query rows per request in a decode step (vLLM's uniform_decode_query_len): the sampled token, and with
+    speculative decoding its k drafts to verify."""
+    return 1 if spec is None else 1 + spec.num_speculative_tokens
 
 
 def check_draft_quantization(draft: ModelInfo, tp: int) -> None:
