@@ -74,6 +74,14 @@ def gptqmodel(method: str, **settings: object) -> Callable[[Path, Path], None]:
     return write
 
 
+def awq_round_to_nearest(src: Path, out: Path) -> None:
+    """AWQ's GEMM layout packed by GPTQModel's AWQ packer from min / max scales, without AWQ's scale search (which
+    takes ~2 minutes a layer on 2 shared cores here): the layout raylm and transformers read, not AWQ's quality."""
+    from tests.quant_format_checkpoints import write_awq
+
+    write_awq(src, out, group_size=GROUP)
+
+
 # name -> (what it is, weight bits, the tool that writes it, raylm's `quantization`)
 FORMATS: dict[str, tuple[str, int, Callable[[Path, Path], None], str]] = {
     "ct-w4a16": ("compressed-tensors int4 group 64 symmetric", 4, compressed_tensors("w4a16-group-sym"),
@@ -90,6 +98,7 @@ FORMATS: dict[str, tuple[str, int, Callable[[Path, Path], None], str]] = {
     "gptq-w4-desc_act": ("GPTQ 4-bit group 64 zero points, desc_act", 4, gptqmodel("gptq", desc_act=True, sym=False),
                          "gptq"),
     "awq-w4": ("AWQ 4-bit group 64 GEMM", 4, gptqmodel("awq", sym=False), "awq"),
+    "awq-w4-rtn": ("AWQ GEMM layout, round-to-nearest group 64 zero points", 4, awq_round_to_nearest, "awq"),
 }
 
 

@@ -117,6 +117,8 @@ def write_awq(src: Path, out: Path, group_size: int = 32) -> Path:
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:  # the LM head is the embedding (SmolLM2): saved once, as transformers does
+        del state["lm_head.weight"]
     for name, linear in _awq_linears(model).items():
         weight = linear.weight.data
         groups = weight.reshape(weight.shape[0], -1, group_size)
