@@ -1,6 +1,7 @@
 """A model whose every layer slides (Mistral) gives a request's blocks back to the pool as its window moves past them:
 the blocks it holds stay bounded by the window while it decodes, other requests reuse them, and the tokens stay
-transformers' (chunked prefill, prefix caching, drafts); a model with global layers (Gemma 3) keeps every block."""
+transformers' (chunked prefill, prefix caching, drafts); a model mixing in global layers (Gemma 3) frees a sliding
+group of its own instead (tests/test_hybrid_kv.py)."""
 from __future__ import annotations
 
 import shutil

@@ -33,6 +33,8 @@ class NewRequestData:
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None  # a pooling request (an embedding): pooled once its prompt is done
+    # The sliding layers' ids, one per position as block_ids' (configs/kv_cache_groups.py); empty: one group.
+    sliding_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class CachedRequestData:
     num_computed_tokens: list[int] = field(default_factory=list)
     # Tokens sampled since the last step; needed only by ranks that did not sample them (PP > 1).
     new_token_ids: list[list[int]] = field(default_factory=list)
+    new_sliding_block_ids: list[list[int]] = field(default_factory=list)  # empty: one KV cache group
 
 
 @dataclass

@@ -19,6 +19,8 @@ class ForwardContext:
     # None outside the ModelRunner (model tests). The whole forward's plan, shared by its micro-batches.
     batch_descriptor: BatchDescriptor | None = None
     kv_connector: Any = None  # the worker-side KV connector the attention layers call, if the engine has one
+    # The sliding layers' metadata where the KV cache splits in two groups (configs/kv_cache_groups.py), else None.
+    sliding_attn_metadata: Any = None
 
 
 class _Current(threading.local):
@@ -30,11 +32,12 @@ _current = _Current()
 
 @contextmanager
 def set_forward_context(attn_metadata: Any, num_tokens: int, batch_descriptor: BatchDescriptor | None = None,
-                        kv_connector: Any = None) -> Iterator[ForwardContext]:
+                        kv_connector: Any = None, sliding_attn_metadata: Any = None) -> Iterator[ForwardContext]:
     assert _current.context is None, "nested set_forward_context: a forward is already running"
     assert (batch_descriptor is None or batch_descriptor.num_tokens_padded == num_tokens
             or batch_descriptor.should_ubatch), "a forward context covers the whole padded batch or one micro-batch"
-    _current.context = context = ForwardContext(attn_metadata, num_tokens, batch_descriptor, kv_connector)
+    _current.context = context = ForwardContext(attn_metadata, num_tokens, batch_descriptor, kv_connector,
+                                                sliding_attn_metadata)
     try:
         yield context
     finally:

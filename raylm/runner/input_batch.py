@@ -6,7 +6,7 @@ tail rows into the remaining holes so rows 0..num_reqs-1 are always the live one
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -27,6 +27,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    sliding_block_ids: list[int] = field(default_factory=list)  # the sliding layers' group's (kv_cache_groups.py)
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +59,8 @@ class BlockTable:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int,
+                 sliding_group: bool = False) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -74,6 +76,8 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = BlockTable(max_num_reqs, max_blocks_per_req)
+        # The sliding layers' own block table where the KV cache splits in two groups (configs/kv_cache_groups.py).
+        self.sliding_block_table = BlockTable(max_num_reqs, max_blocks_per_req) if sliding_group else None
 
         # Sampling settings per row, as tensors so the sampler reads slices, never Python objects.
         self.temperature = torch.zeros(max_num_reqs, dtype=torch.float32)
@@ -124,6 +128,8 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(prompt)
         self.num_computed_tokens_cpu[row] = state.num_computed_tokens
         self.block_table.set_row(row, state.block_ids)
+        if self.sliding_block_table is not None:
+            self.sliding_block_table.set_row(row, state.sliding_block_ids)
 
         params = state.sampling_params
         assert params.seed is not None, "the engine gives every request a seed before it reaches the runner"
@@ -204,6 +210,8 @@ class InputBatch:
             array[dst] = array[src]
         self.request_lora_mapping[src] = 0  # the free row holds no adapter
         self.block_table.move_row(src, dst)
+        if self.sliding_block_table is not None:
+            self.sliding_block_table.move_row(src, dst)
         for tensor in (self.temperature, self.top_k, self.top_p, self.min_p, self.seeds,
                        self.presence_penalties, self.frequency_penalties, self.repetition_penalties):
             tensor[dst] = tensor[src]

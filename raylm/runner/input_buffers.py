@@ -5,7 +5,7 @@ graph replays on). The names are vLLM's: input_ids, positions, slot_mapping, que
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ class PreparedInputs:
     logits_indices: torch.Tensor
     spec_decode_metadata: SpecDecodeMetadata | None = None  # where the drafts are; None: no request has any
     uniform_decode_query_len: int = 1  # 1 + k with speculative decoding
+    sliding_common: CommonAttentionMetadata | None = None  # the sliding layers' group's (kv_cache_groups.py)
 
     @property
     def uniform_decode(self) -> bool:
@@ -62,6 +63,9 @@ class InputBuffers:
         self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, torch.int32, device)
         self.seq_lens = CpuGpuBuffer(max_num_reqs, torch.int32, device)
         self.block_table = torch.zeros((max_num_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
+        # The sliding layers' slots and block table where the KV cache splits in two groups (kv_cache_groups.py).
+        self.sliding_slot_mapping = CpuGpuBuffer(max_num_tokens, torch.int64, device)
+        self.sliding_block_table = torch.zeros_like(self.block_table)
         self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
         # query_start_loc of padding requests (one token each) in a fixed-buffer decode, copied on the device.
         self._arange_gpu = torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device)
@@ -93,6 +97,10 @@ class InputBuffers:
         block_index = req_indices * self.max_blocks_per_req + positions // self.block_size
         block_numbers = batch.block_table.table.ravel()[block_index].astype(np.int64)
         np.add(block_numbers * self.block_size, positions % self.block_size, out=self.slot_mapping.np[:num_tokens])
+        if batch.sliding_block_table is not None:
+            block_numbers = batch.sliding_block_table.table.ravel()[block_index].astype(np.int64)
+            np.add(block_numbers * self.block_size, positions % self.block_size,
+                   out=self.sliding_slot_mapping.np[:num_tokens])
 
         query_start_loc = self.query_start_loc.np
         query_start_loc[0] = 0
@@ -112,8 +120,15 @@ class InputBuffers:
         self.block_table[:num_reqs, :max_blocks].copy_(
             torch.from_numpy(batch.block_table.table[:num_reqs, :max_blocks]), non_blocking=True)
         common = self.common_metadata(num_reqs, num_tokens, max_blocks, int(num_scheduled.max()), int(seq_lens.max()))
+        sliding_common = None
+        if batch.sliding_block_table is not None:  # the same rows, their sliding group's ids and slots
+            self.sliding_block_table[:num_reqs, :max_blocks].copy_(
+                torch.from_numpy(batch.sliding_block_table.table[:num_reqs, :max_blocks]), non_blocking=True)
+            self.sliding_slot_mapping.copy_to_device(num_tokens)
+            sliding_common = replace(common, block_table=self.sliding_block_table[:num_reqs, :max_blocks],
+                                     slot_mapping=self.sliding_slot_mapping.gpu[:num_tokens])
         return PreparedInputs(common, num_tokens, num_reqs, sampling_rows, logits_indices, spec,
-                              self.uniform_decode_query_len)
+                              self.uniform_decode_query_len, sliding_common)
 
     def _spec_decode_metadata(self, batch: InputBatch, sampling_rows: np.ndarray, num_draft_tokens: np.ndarray,
                               cu_num_tokens: np.ndarray) -> SpecDecodeMetadata:
@@ -153,6 +168,7 @@ class InputBuffers:
         self.input_ids.gpu[num_tokens:num_tokens_padded].zero_()
         self.positions.gpu[num_tokens:num_tokens_padded].zero_()
         self.slot_mapping.gpu[num_tokens:num_tokens_padded].fill_(-1)
+        self.sliding_slot_mapping.gpu[num_tokens:num_tokens_padded].fill_(-1)
 
     def pad_decode_requests(self, num_reqs: int, n: int) -> None:
         """Requests num_reqs..n-1 of a uniform decode batch padded to n (their rows already hold token 0, position 0,

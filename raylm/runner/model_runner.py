@@ -24,6 +24,7 @@ from raylm.common.kv_transfer import KVConnectorOutput
 from raylm.common.object_storage import checkpoint_here
 from raylm.common.outputs import GrammarOutput, IntermediateTensors, ModelRunnerOutput, SchedulerOutput
 from raylm.configs import EngineConfig
+from raylm.configs.kv_cache_groups import kv_cache_groups, sliding_group_window
 from raylm.runner import cpu_kernels
 from raylm.runner.attention import get_attn_backend
 from raylm.runner.attention.common import CommonAttentionMetadata
@@ -92,7 +93,8 @@ class ModelRunner:
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         cpu_kernels.set_enabled(config.compilation_config.custom_ops != "none")
 
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks_per_req, model_info.vocab_size)
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks_per_req, model_info.vocab_size,
+                                      sliding_group=sliding_group_window(config) is not None)
         self.uniform_decode_query_len = resolved.uniform_decode_query_len
         self.buffers = InputBuffers(config.scheduler_config.max_num_batched_tokens, self.max_num_reqs,
                                     max_blocks_per_req, self.block_size, device, self.uniform_decode_query_len)
@@ -166,8 +168,11 @@ class ModelRunner:
         extra = 1 if self.graphs.enabled else 0
         self.graphs.scratch_slot = num_blocks * self.block_size if extra else -1
         self.kv_caches = []
+        groups = kv_cache_groups(self.config, num_blocks)  # the scheduler splits the pool the same way
         for layer in self.kv_cache_layers():
-            shape = kv_cache_shape(layer, self.attn_backend, num_blocks + extra, self.block_size)
+            layer_blocks = num_blocks if groups is None else (
+                groups.num_sliding_blocks if layer.sliding_window is not None else groups.num_blocks)
+            shape = kv_cache_shape(layer, self.attn_backend, layer_blocks + extra, self.block_size)
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
         self.kv_connector = create_worker_connector(
@@ -208,7 +213,7 @@ class ModelRunner:
                 np.diff(self.buffers.query_start_loc.np[:inputs.num_reqs + 1]))
         with kv_connector_step(self.kv_connector, scheduler_output) as kv_connector_output:
             output = self._run_forward(inputs.num_tokens, inputs.num_reqs, inputs.uniform_decode, inputs.common,
-                                       intermediate_tensors, has_lora)
+                                       intermediate_tensors, has_lora, inputs.sliding_common)
         if not pp.is_last_rank:
             assert isinstance(output, IntermediateTensors)
             return output
@@ -276,7 +281,8 @@ class ModelRunner:
     def _run_forward(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
                      common: CommonAttentionMetadata | None,
                      intermediate_tensors: IntermediateTensors | None,
-                     has_lora: bool = False) -> torch.Tensor | IntermediateTensors:
+                     has_lora: bool = False, sliding_common: CommonAttentionMetadata | None = None,
+                     ) -> torch.Tensor | IntermediateTensors:
         """The target model's forward in a step, a dummy batch or the profile run, always after the batch decision
         (so after the DP coordination). The first `num_tokens` input rows are written; padding rows are filled here.
         `common` None: a dummy batch. A later pipeline stage without received tensors (dummy and profile runs: no
@@ -313,7 +319,8 @@ class ModelRunner:
             with tracing.span("forward", num_tokens=n, cuda_graph=True):
                 return graphs.replay(num_reqs, n)
         attn_metadata = None if common is None else self.attn_backend.build(common)
-        with (set_forward_context(attn_metadata, n, descriptor, self.kv_connector),
+        sliding_metadata = None if sliding_common is None else self.attn_backend.build(sliding_common)
+        with (set_forward_context(attn_metadata, n, descriptor, self.kv_connector, sliding_metadata),
               tracing.span("forward", num_tokens=n)):
             return model(buffers.input_ids.gpu[:n], buffers.positions.gpu[:n], intermediate_tensors)
 

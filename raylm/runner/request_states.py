@@ -33,7 +33,7 @@ class RequestStates:
         for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids), list(new.output_token_ids),
                                        new.sampling_params, list(new.block_ids), new.num_computed_tokens,
-                                       new.lora_request)
+                                       new.lora_request, list(new.sliding_block_ids))
             self.requests[new.req_id] = state
             batch.add_request(state)
             self.prompt_logprobs.add_request(new)
@@ -51,13 +51,19 @@ class RequestStates:
                 num_computed = self.spec_decoder.correct_num_computed(req_id, num_computed)
             state.num_computed_tokens = num_computed
             row = req_id_to_index.get(req_id)
+            new_sliding_ids = cached.new_sliding_block_ids[i] if cached.new_sliding_block_ids else []
             if row is None:
                 state.block_ids.extend(new_block_ids)
+                state.sliding_block_ids.extend(new_sliding_ids)
                 row = batch.add_request(state)
             else:
                 if new_block_ids:  # most decode steps need no new block
                     state.block_ids.extend(new_block_ids)
                     batch.block_table.append_row(row, new_block_ids)
+                if new_sliding_ids:
+                    state.sliding_block_ids.extend(new_sliding_ids)
+                    assert batch.sliding_block_table is not None, "sliding ids come only with a sliding group"
+                    batch.sliding_block_table.append_row(row, new_sliding_ids)
                 rows.append(row)
                 rows_num_computed.append(num_computed)
             # Only ranks that did not sample these tokens themselves (PP > 1) are sent them.

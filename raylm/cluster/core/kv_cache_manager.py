@@ -5,7 +5,8 @@ Where every layer attends over a sliding window (Mistral), a request's leading b
 go back to the pool as its window moves (vLLM's SlidingWindowManager.remove_skipped_blocks), so it holds about
 window / block_size + 1 blocks however long it grows. Its block table keeps their ids in place: the kernels mask
 those positions, so they never count what another request writes there. Models that mix sliding and global layers
-(Gemma 2 / 3, GPT-OSS) keep every block: freeing for their sliding layers alone needs a block table per layer kind.
+(Gemma 2 / 3, GPT-OSS) keep their sliding layers' blocks in a group of their own that frees them the same way
+(sliding_window_group.py; configs/kv_cache_groups.py says where), the global layers' blocks here.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from raylm.cluster.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from raylm.cluster.core.lora_scheduling import block_hash_seed
 from raylm.cluster.core.request import Request
+from raylm.cluster.core.sliding_window_group import SlidingWindowGroup
 from raylm.configs.attention_backends import layer_sliding_windows
 
 if TYPE_CHECKING:
@@ -34,12 +36,14 @@ def freeing_window(hf_configs: Sequence[PretrainedConfig | None]) -> int | None:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, sliding_group: SlidingWindowGroup | None = None) -> None:
         assert block_size > 0 and (sliding_window is None or sliding_window > 0)
+        assert sliding_window is None or sliding_group is None, 'every layer slides, or only some do'
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window  # None: a request keeps all its blocks until it ends
         self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.sliding_group = sliding_group  # the sliding layers' blocks of a model mixing them with global ones
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request already back in the pool (sliding window only); their ids stay in place.
         self.num_skipped_blocks: dict[str, int] = {}
@@ -89,6 +93,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.sliding_group is not None:
+            hits = hits[:self.sliding_group.num_hit_blocks(request.block_hashes, len(hits))]
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -111,16 +117,22 @@ class KVCacheManager:
         admitting = req_blocks is None
         assert admitting or not new_computed_blocks, "prefix hits are only taken on admission"
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        sliding = self.sliding_group
         if req_blocks is not None:
             self.remove_skipped_blocks(request, num_computed)  # room for this step's blocks
+            if sliding is not None:
+                sliding.remove_skipped_blocks(request, num_computed)
+        num_total_blocks = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
         # Never negative but for speculative decoding: the slots of rejected drafts stay with the request, and the
         # next step's tokens reuse them.
-        num_new_blocks = max(0, -(-(num_computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
-                             - (0 if req_blocks is None else len(req_blocks)) - len(new_computed_blocks))
+        num_new_blocks = max(0, num_total_blocks - (0 if req_blocks is None else len(req_blocks))
+                             - len(new_computed_blocks))
         block_pool = self.block_pool
         # Hits sitting in the free queue leave it, so they count against the free blocks too.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0) if new_computed_blocks else 0
-        if num_new_blocks + num_free_hits > block_pool.num_free_blocks:
+        if num_new_blocks + num_free_hits > block_pool.num_free_blocks or sliding is not None and (
+                sliding.num_blocks_to_take(request, num_total_blocks, len(new_computed_blocks))
+                > sliding.block_pool.num_free_blocks):
             return None
 
         if req_blocks is None:
@@ -139,12 +151,16 @@ class KVCacheManager:
             new_blocks = block_pool.get_new_blocks(num_new_blocks)
             req_blocks.extend(new_blocks)
             new_block_ids = [block.block_id for block in new_blocks]
+        if sliding is not None:
+            sliding.allocate(request, num_total_blocks, len(new_computed_blocks))
 
         if self.enable_caching and not delay_cache_blocks:
             # Only known token ids can be hashed: under async scheduling the scheduled tokens may run
             # ahead of the sampled ones.
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens) // self.block_size)
         self.remove_skipped_blocks(request, num_computed)  # prefix hits already out of the window
+        if sliding is not None:
+            sliding.remove_skipped_blocks(request, num_computed)
         return new_block_ids
 
     def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -178,12 +194,20 @@ class KVCacheManager:
         num_skipped = self.num_skipped_blocks.pop(request.request_id, 0)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks[num_skipped:]))
+        if self.sliding_group is not None:
+            self.sliding_group.free(request.request_id)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """One id per block position of the request, skipped (freed) positions included: see the module's doc."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
+    def get_sliding_block_ids(self, request_id: str) -> list[int]:
+        """The sliding layers' ids, one per block position as get_block_ids' (empty without a sliding group)."""
+        return [] if self.sliding_group is None else self.sliding_group.get_block_ids(request_id)
+
     def reset_prefix_cache(self) -> bool:
+        if self.sliding_group is not None and not self.sliding_group.block_pool.reset_prefix_cache():
+            return False
         return self.block_pool.reset_prefix_cache()
 
     def _cache_full_blocks(self, request: Request, num_full_blocks: int) -> None:
@@ -195,6 +219,8 @@ class KVCacheManager:
         for i in range(num_cached, num_full_blocks):
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = num_full_blocks
+        if self.sliding_group is not None:
+            self.sliding_group.cache_full_blocks(request, num_full_blocks)
 
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:
         """Extend `request.block_hashes` to its first `num_full_blocks` blocks (hashing only new ones)."""

@@ -21,6 +21,7 @@ from raylm.cluster.core.kv_transfer_tracker import KVTransferTracker
 from raylm.cluster.core.lora_scheduling import LoRABatchLimit
 from raylm.cluster.core.request import Request, RequestStatus
 from raylm.cluster.core.request_queue import RequestQueue, create_request_queue, preemption_victim
+from raylm.cluster.core.sliding_window_group import SlidingWindowGroup
 from raylm.cluster.core.spec_decode import DraftScheduling
 from raylm.cluster.core.step_budget import StepBudget, is_prefill
 from raylm.cluster.core.stop_checker import check_stop
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
     from raylm.cluster.core.block_pool import KVCacheBlock
     from raylm.cluster.core.structured_output import StructuredOutputManager
+    from raylm.configs.kv_cache_groups import KVCacheGroups
 
 
 class Scheduler:
@@ -50,6 +52,7 @@ class Scheduler:
         max_loras: int | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
         sliding_window: int | None = None,
+        kv_cache_groups: KVCacheGroups | None = None,
     ) -> None:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -75,8 +78,13 @@ class Scheduler:
 
         # Blocks out of every layer's window go back to the pool (kv_cache_manager.py); not under a KV connector,
         # which sends or saves a request's blocks by position.
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching,
-                                               sliding_window if kv_connector is None else None)
+        # A model mixing sliding and global layers splits the pool in two groups (configs/kv_cache_groups.py).
+        caching = cache_config.enable_prefix_caching
+        sliding_group = None if kv_cache_groups is None else SlidingWindowGroup(
+            kv_cache_groups.num_sliding_blocks, block_size, kv_cache_groups.sliding_window, caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks if kv_cache_groups is None else kv_cache_groups.num_blocks, block_size, caching,
+            sliding_window if kv_connector is None else None, sliding_group)
         # The scheduler side of a KV connector: external KV for requests, held blocks (see kv_transfer_tracker.py).
         self.kv_transfers = None if kv_connector is None else KVTransferTracker(kv_connector, self.kv_cache_manager)
         if kv_connector is not None:
@@ -249,7 +257,8 @@ class Scheduler:
             scheduled_new_reqs=[
                 NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
                                req.sampling_params, self.kv_cache_manager.get_block_ids(req.request_id),
-                               req.num_computed_tokens, req.lora_request, req.pooling_params)
+                               req.num_computed_tokens, req.lora_request, req.pooling_params,
+                               self.kv_cache_manager.get_sliding_block_ids(req.request_id))
                 for req in scheduled_new],
             scheduled_cached_reqs=self._cached_request_data(scheduled_running, new_block_ids),
             num_scheduled_tokens=num_scheduled_tokens,
@@ -422,9 +431,15 @@ class Scheduler:
 
     def _cached_request_data(self, requests: list[Request], new_block_ids: dict[str, list[int]]) -> CachedRequestData:
         req_ids = [request.request_id for request in requests]
+        new_sliding_block_ids: list[list[int]] = []
+        if self.kv_cache_manager.sliding_group is not None:  # as many new positions as the global layers' ids
+            get_ids = self.kv_cache_manager.get_sliding_block_ids
+            new_sliding_block_ids = [get_ids(req_id)[len(get_ids(req_id)) - len(new_block_ids[req_id]):]
+                                     for req_id in req_ids]
         return CachedRequestData(
             req_ids, [new_block_ids[req_id] for req_id in req_ids], [req.num_computed_tokens for req in requests],
-            [req.all_token_ids[req.num_sent_tokens:] if self.send_token_ids else [] for req in requests])
+            [req.all_token_ids[req.num_sent_tokens:] if self.send_token_ids else [] for req in requests],
+            new_sliding_block_ids)
 
     def _free_request(self, request: Request) -> dict[str, Any] | None:
         """A finished request leaves the engine core: blocks back to the pool (unless a KV connector still sends

@@ -22,6 +22,7 @@ from raylm.common import tracing
 from raylm.common.outputs import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from raylm.common.parallel_layout import NO_DATA_PARALLEL, DataParallelInfo
 from raylm.configs import EngineConfig
+from raylm.configs.kv_cache_groups import kv_cache_groups
 from raylm.executor import Executor
 from raylm.runner.kv_transfer import KVConnectorFactory, KVConnectorRole
 from raylm.runner.sleep_mode import SLEEP_TAGS
@@ -69,7 +70,8 @@ class EngineCore:
             max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else None,
             structured_output_manager=self.structured_output_manager,
             sliding_window=freeing_window([config.model_info.hf_config, *(
-                [] if (draft := config.resolved.draft_model_info) is None else [draft.hf_config])]))
+                [] if (draft := config.resolved.draft_model_info) is None else [draft.hf_config])]),
+            kv_cache_groups=kv_cache_groups(config, self.num_blocks))
         self.num_generation_tokens = 0  # since start, for stats
         depth = config.resolved.max_concurrent_batches
         self.sleeping_tags: set[str] = set()  # what sleep freed and wake_up has not restored yet

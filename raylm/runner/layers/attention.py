@@ -37,6 +37,8 @@ class Attention(nn.Module):
         v = value.unflatten(-1, (self.num_kv_heads, self.head_size))
         context = get_forward_context()
         metadata = context.attn_metadata
+        if self.sliding_window is not None and context.sliding_attn_metadata is not None:
+            metadata = context.sliding_attn_metadata  # its group's block table and slots (kv_cache_groups.py)
         if metadata is None:
             return self._forward_without_cache(q, k, v, sinks)
         assert isinstance(metadata, AttentionMetadata)
