@@ -23,12 +23,13 @@ TEXT = Path(__file__).resolve().parents[1] / "scripts" / "data" / "eval_text.txt
 
 
 def test_generate_with_no_model_answers(capsys: pytest.CaptureFixture[str]) -> None:
-    # Not "What is the capital of France?": its first token is an exact tie in bfloat16 ("The" / "L'"), which the
-    # kernels this machine's plan picks break either way.
-    assert main(["generate", "Which city is the capital of France?", "--max-tokens", "24"]) == 0
+    # A question whose greedy answer wins each token by >= 1 nat in bfloat16 (2026-12-06): both France questions tried
+    # before had exact bfloat16 ties on a token ("The" / "Le" at -2.0156), which the kernels this machine's plan picks
+    # break either way.
+    assert main(["generate", "What is the capital of Japan?", "--max-tokens", "24"]) == 0
     out, err = capsys.readouterr()
     assert "raylm: model: SmolLM2-135M-Instruct" in err
-    assert out.startswith("'Which city is the capital of France?' -> ") and "Paris" in out
+    assert out.startswith("'What is the capital of Japan?' -> ") and "Tokyo" in out
 
 
 @torch.inference_mode()

@@ -52,12 +52,14 @@ class SlidingWindowGroup:
     def allocate(self, request: Request, num_total_blocks: int, num_hit_blocks: int) -> None:
         """Cover `num_total_blocks` positions; on admission the first `num_hit_blocks` are prefix hits (call
         num_blocks_to_take first: the pool has room)."""
-        blocks = self.req_to_blocks.get(request.request_id)
+        blocks: list[KVCacheBlock | None] | None = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             hits = self._hits(request, num_hit_blocks)
             self.block_pool.touch(hits)
             start = num_hit_blocks - len(hits)
-            blocks = self.req_to_blocks[request.request_id] = [None] * start + list[KVCacheBlock | None](hits)
+            blocks = [None] * start
+            blocks.extend(hits)
+            self.req_to_blocks[request.request_id] = blocks
             self.num_skipped_blocks[request.request_id] = start
             self.num_cached_blocks[request.request_id] = num_hit_blocks
         if num_total_blocks > len(blocks):
