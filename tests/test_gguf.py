@@ -129,8 +129,10 @@ def test_default_dtype_follows_transformers_in_bf16(gguf_file: tuple[Path, Path]
     finally:
         llm.shutdown()
     reference = greedy_with_logits(hf_model(checkpoint, path, torch.bfloat16), prompts, 16)
-    diverged = assert_equal_but_near_ties(reference, [list(o.outputs[0].token_ids) for o in outputs])
-    assert diverged <= 2, f"{diverged} of {len(prompts)} sequences left transformers' tokens"
+    # The parity rule per sequence. How many sequences meet a near-tie in 16 tokens of a random tiny model (flat
+    # logits) depends on which kernels the machine's plan picked: the AMX kernel and oneDNN's bfloat16 copy are equally
+    # exact (each within bfloat16's output rounding of a float64 product), but sum in other orders.
+    assert_equal_but_near_ties(reference, [list(o.outputs[0].token_ids) for o in outputs])
 
 
 def test_float32_checkpoint_written_from_gguf(checkpoints: dict[str, Path], tmp_path: Path) -> None:
