@@ -433,9 +433,9 @@ class Scheduler:
         req_ids = [request.request_id for request in requests]
         new_sliding_block_ids: list[list[int]] = []
         if self.kv_cache_manager.sliding_group is not None:  # as many new positions as the global layers' ids
-            get_ids = self.kv_cache_manager.get_sliding_block_ids
-            new_sliding_block_ids = [get_ids(req_id)[len(get_ids(req_id)) - len(new_block_ids[req_id]):]
-                                     for req_id in req_ids]
+            for req_id in req_ids:
+                sliding_ids = self.kv_cache_manager.get_sliding_block_ids(req_id)
+                new_sliding_block_ids.append(sliding_ids[len(sliding_ids) - len(new_block_ids[req_id]):])
         return CachedRequestData(
             req_ids, [new_block_ids[req_id] for req_id in req_ids], [req.num_computed_tokens for req in requests],
             [req.all_token_ids[req.num_sent_tokens:] if self.send_token_ids else [] for req in requests],
