@@ -2,7 +2,8 @@
 its float32 checkpoint, in raylm, at batch 1 / 8 / 32.
 
 Per batch size: that many requests of 32 random prompt tokens and --output-len greedy output tokens (ignore_eos),
-float32 activations everywhere (what raylm computes these formats in). Each folder runs in its own engine process
+each engine at `dtype: auto` (float32 for the float32 checkpoint; bfloat16 for the formats on a CPU with bfloat16
+dot products, float32 elsewhere), or every engine at `--dtype float32`. Each folder runs in its own engine process
 (scripts/offline_engine.py, warmed up once); the runs interleave, the order reversed every round, the others stopped
 meanwhile (bench_offline.EngineProcess). Printed per format and batch: the median of the runs, their spread, output
 tokens/s, the median of the per-round ratios float32 time / format time (above 1: faster than float32) and the
@@ -51,7 +52,7 @@ def bench_batch(models: dict[str, tuple[Path, str]], batch: int, args: argparse.
         try:
             for label, (path, method) in models.items():
                 spec = dict(model=str(path), prompts=prompts, output_lens=output_lens, max_model_len=256,
-                            settings=dict(ENGINE_SETTINGS, quantization=method, dtype="float32",
+                            settings=dict(ENGINE_SETTINGS, quantization=method, dtype=args.dtype,
                                           kv_cache_memory_gib=0.25, disable_log_stats=True),
                             threads=torch.get_num_threads())
                 Path(tmp, f"{label}.json").write_text(json.dumps(spec))
@@ -80,11 +81,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["auto", "float32"], default="auto",
+                        help="every engine's dtype (auto: each checkpoint's own default)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     models = folders(args.formats)
     print(f"{args.runs} interleaved runs, {torch.get_num_threads()} threads, 32 prompt and {args.output_len} output "
-          f"tokens per request, float32 activations\nbefore: {machine_line()}, load {os.getloadavg()[0]:.1f}",
+          f"tokens per request, dtype {args.dtype}\nbefore: {machine_line()}, load {os.getloadavg()[0]:.1f}",
           flush=True)
     print("| format | batch | median s | spread | output tok/s | vs float32 | weights MiB |\n" + "|---" * 7 + "|")
     for batch in args.batch_sizes:

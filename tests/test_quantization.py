@@ -173,13 +173,16 @@ def test_each_path_of_a_quantized_linear(kernel: str, dtype: torch.dtype, native
     """Whatever its plan picks, a Q4_1 linear computes x W^T + b on its dequantized weight: the block kernel, or a
     float kernel on the dequantized copy, float32 for float32 activations and bfloat16 for bfloat16 ones where the
     CPU multiplies bfloat16 (forced off here: a float32 copy, x upcast). A plan of the block kernels alone keeps no
-    copy; `amx` runs on AMX for bfloat16 activations where the CPU has it, and falls back to the block kernel
-    elsewhere (float32 activations, no AMX)."""
+    copy, and so does a layer where AMX runs (a float kernel in its plan then falls back to the block kernel); `amx`
+    runs on AMX for bfloat16 activations where the CPU has it, and falls back to the block kernel elsewhere (float32
+    activations, no AMX)."""
     if kernels.load() is None or (kernel == "skinny" and cpu_kernels.load() is None):
         pytest.skip("raylm's CPU kernels could not be built here")
     if native_bf16 and not model_info.cpu_multiplies_bf16():
         pytest.skip("no bfloat16 dot products on this CPU")
     monkeypatch.setattr(model_info, "cpu_multiplies_bf16", lambda: native_bf16)
+    if not native_bf16:  # a CPU without bfloat16 products has no AMX either: the float copy's paths
+        monkeypatch.setattr(kernels, "amx_kernels_for", lambda device, dtype: None)
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(80, 96, generator=generator), torch.randn(80, generator=generator)
     previous = torch.get_default_dtype()
@@ -193,10 +196,12 @@ def test_each_path_of_a_quantized_linear(kernel: str, dtype: torch.dtype, native
     layer.bias.weight_loader(layer.bias, bias.to(dtype))
     layer.process_weights_after_loading()
     copy_dtype = torch.bfloat16 if dtype == torch.bfloat16 and native_bf16 else torch.float32
-    assert layer.dequantized is not None and layer.dequantized.dtype == copy_dtype
+    amx = kernels.amx_kernels_for(layer.weight.device, dtype) is not None  # then the blocks alone, never a copy
+    assert amx == (layer.dequantized is None)
+    assert amx or layer.dequantized.dtype == copy_dtype
     layer.gemm_plan = GemmPlan((kernel,) * len(ROW_BUCKETS))
     layer.process_weights_after_loading()  # what plan_linears does with the plan
-    assert (layer.dequantized is None) == (kernel in BLOCK_KERNELS)
+    assert (layer.dequantized is None) == (kernel in BLOCK_KERNELS or amx)
     dequantized = dequantize(layer.weight, Q4_1).double()
     # A bfloat16 result, or a bfloat16 copy, rounds to 8 significant bits; float32 sums differ in order only.
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 _DTYPES = {"float32", "float16", "bfloat16"}
-# The quantizations whose blocks `auto` computes in bfloat16 on CPU (resolve_dtype). A checkpoint quantized as shipped
-# (compressed-tensors, GPTQ, AWQ: configs/quant_formats.py) keeps float32 until its tests hold the 16-bit parity rule.
-BF16_QUANTIZATIONS = ("gguf", "int8", "int4")
+# The quantizations whose weights `auto` computes in bfloat16 on CPU (resolve_dtype): blocks, and checkpoints
+# quantized as shipped (configs/quant_formats.py), whose weights round by as much as bfloat16 or more.
+BF16_QUANTIZATIONS = ("gguf", "int8", "int4", "compressed-tensors", "gptq", "awq")
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,11 @@ def resolve_dtype(model_config: ModelConfig, model_info: ModelInfo, device_type:
     """The dtype setting, or for "auto":
     - on CPU, bfloat16 where the CPU multiplies bfloat16 in hardware (`cpu_bf16_instructions` names them: the
       environment's fact, from cpu_bf16_instructions()) and the weights are either
-      stored in 16 bits (bfloat16 or float16) or quantized (a GGUF file's blocks, `int8`, `int4`): activations, KV
-      cache and attention in bfloat16, each quantized linear planned per shape and rows between its block kernel
-      and the float kernels on a bfloat16 dequantized copy. A 16-bit checkpoint loses nothing that matters, and a
-      quantized weight already rounds each weight by about as much as bfloat16 (Q8_0) or more (4 bits); both ran
+      stored in 16 bits (bfloat16 or float16) or quantized (a GGUF file's blocks, `int8`, `int4`, a checkpoint
+      quantized as shipped): activations, KV cache and attention in bfloat16, each quantized linear planned per
+      shape and rows between its block kernels (and, on a CPU without AMX, the float kernels on a bfloat16
+      dequantized copy: runner/layers/quantization/block_quant.py). A 16-bit checkpoint loses nothing that matters,
+      and a quantized weight already rounds each weight by about as much as bfloat16 (Q8_0) or more (4 bits); both ran
       faster than float32 (docs/cpu-performance.md). Their accuracy rule is the 16-bit parity rule: transformers'
       greedy tokens in bfloat16, except at a near-tie. Else float32: a float32 checkpoint keeps the precision it
       was stored in (and the transformers oracle's), and without bfloat16 instructions every product widens first.

@@ -22,11 +22,11 @@ rounds alike) and a later start-up does not measure again. Delete `~/.cache/rayl
 
 A block-quantized layer (quantization: int8, int4, gguf) plans the same way with its own kernels on the packed weight:
 `packed` (blocks decoded in registers, fastest at a few rows where reading fewer bytes is what counts) and, for
-bfloat16 activations on a CPU with AMX, `amx` (panels decoded to bfloat16 in cache for AMX's tile products). The
-float kernels then run on a dequantized copy of the weight (`dequantized`, in the activations' dtype: bfloat16 under
-`dtype: auto` on a CPU with bfloat16 dot products; quantization.block_quant says when not), kept only where the plan
-picks them for some bucket: on a Sapphire Rapids core the block kernels win at one or two rows and oneDNN's AMX
-bfloat16 matmul on the copy from there (docs/cpu-performance.md).
+bfloat16 activations on a CPU with AMX, `amx` (panels decoded to bfloat16 in cache for AMX's tile products). Where
+AMX runs, these two are the only candidates and the weight stays in its blocks alone: on a Sapphire Rapids core the
+AMX kernel ran 0.9-1.3x oneDNN's bfloat16 matmul on a dequantized copy from 64 to 512 rows. Elsewhere the float
+kernels are candidates too, on a dequantized copy of the weight (`dequantized`, in the activations' dtype; see
+quantization.block_quant), kept only where the plan picks them for some bucket (docs/cpu-performance.md).
 """
 from __future__ import annotations
 
@@ -119,12 +119,22 @@ class CpuGemmMixin:
         """The float weight the float kernels run on: the dequantized copy of a quantized layer, else the weight."""
         return self.dequantized if self.dequantized is not None else self.weight
 
+    def gemm_shape(self) -> tuple[int, int]:
+        """(out_features, in_features) of the product, whatever form the weight is kept in."""
+        if self.block_matmul is not None and self.dequantized is None:
+            return self.weight.shape[0], int(self.in_features_per_partition)
+        out_features, in_features = self.gemm_weight().shape
+        return out_features, in_features
+
     def weight_kind(self) -> str:
-        """The planned weight's dtype, or its block format and its copy's dtype (plans are kept per kind)."""
+        """The planned weight's dtype, or its block format and its copy's dtype, or the activations' dtype where
+        it keeps no copy (plans are kept per kind)."""
         if self.block_matmul is None:
             return str(self.weight.dtype).removeprefix("torch.")
-        fmt = getattr(self.weight, "quant_format", None)
-        return f"{getattr(fmt, 'name', 'blocks')} as {str(self.gemm_weight().dtype).removeprefix('torch.')}"
+        fmt = getattr(getattr(self.weight, "quant_format", None), "name", "blocks")
+        if self.dequantized is None:
+            return f"{fmt} blocks only, {str(self.params_dtype).removeprefix('torch.')} activations"
+        return f"{fmt} as {str(self.gemm_weight().dtype).removeprefix('torch.')}"
 
     def process_weights_after_loading(self) -> None:
         """Pack the weight for oneDNN (again after sleep mode's wake-up), unless its plan never uses oneDNN, and for
@@ -207,8 +217,9 @@ def plan_linears(model: nn.Module) -> None:
     so), and drop the packed copies of shapes whose plan never uses oneDNN."""
     layers: dict[Shape, list[CpuGemmMixin]] = {}
     for module in model.modules():
-        if isinstance(module, CpuGemmMixin) and module.packed_weight is not None:
-            out_features, in_features = module.gemm_weight().shape
+        # Float weights oneDNN packed, and quantized ones (with or without a float copy): their kernels are timed.
+        if isinstance(module, CpuGemmMixin) and (module.packed_weight is not None or module.block_matmul is not None):
+            out_features, in_features = module.gemm_shape()
             shape = (out_features, in_features, module.bias is not None, module.weight_kind())
             layers.setdefault(shape, []).append(module)
     unplanned = sorted({m.kernel_name() for m in model.modules() if isinstance(m, CpuGemmMixin)} - {"planned"})
@@ -264,12 +275,13 @@ def time_kernels(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[f
     (best of _TIMED_ROUNDS each; skinny up to _SKINNY_MAX_ROWS rows, where it applies); returns the plan and the
     GFLOP/s of each kernel per bucket timed."""
     weight = layers[0].gemm_weight()
-    out_features, in_features = weight.shape
+    out_features, in_features = layers[0].gemm_shape()
     bias = None if layers[0].bias is None else torch.zeros_like(layers[0].bias)
     # Enough layers that the smallest form of the weight (a quantized layer's blocks) outgrows the caches.
     weight_bytes = min(w.numel() * w.element_size() for w in (weight, layers[0].weight))
     num_cold = min(len(layers), -(-_COLD_BYTES // weight_bytes))
-    ops = skinny_ops(weight)
+    float_weight = layers[0].block_matmul is None or layers[0].dequantized is not None
+    ops = skinny_ops(weight) if float_weight else None
     # Packed once for every bucket that times them (up to _COLD_BYTES of them for the cold small ones).
     skinny = None if ops is None else [ops.pack_skinny(layer.gemm_weight().detach()) for layer in layers[:num_cold]]
     # x as the layer receives it: a quantized layer's activations may differ from its copy's dtype (block_quant).
@@ -295,7 +307,7 @@ def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tenso
     """Seconds per call of each kernel, over the layers' weights in turn; the skinny kernel too where `skinny` holds
     the layers' panels."""
     ops = None if skinny is None else skinny_ops(layers[0].gemm_weight())
-    out_features, dtype = layers[0].gemm_weight().shape[0], layers[0].gemm_weight().dtype
+    out_features, dtype = layers[0].gemm_shape()[0], layers[0].gemm_weight().dtype
     weights = [(layer, layer.gemm_weight(), layer.packed_weight, None if skinny is None else skinny[i])
                for i, layer in enumerate(layers)]
     quantized = layers[0].block_matmul is not None
@@ -303,11 +315,11 @@ def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tenso
     cast_in, cast_out = (lambda: x.to(dtype)), (lambda y: y.to(x.dtype) if quantized else y)
     float_bias = None if bias is None else bias.to(dtype)
     Call = Callable[[CpuGemmMixin, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
-    calls: dict[str, Call] = {
-        "sgemm": lambda layer, weight, packed, skinny: cast_out(F.linear(cast_in(), weight, float_bias)),
-        "onednn": lambda layer, weight, packed, skinny: cast_out(
-            torch.ops.mkldnn._linear_pointwise(cast_in(), packed, float_bias, "none", [], "")),
-    }
+    calls: dict[str, Call] = {}
+    if not quantized or layers[0].dequantized is not None:  # a float weight, or a quantized one's float copy
+        calls["sgemm"] = lambda layer, weight, packed, skinny: cast_out(F.linear(cast_in(), weight, float_bias))
+        calls["onednn"] = lambda layer, weight, packed, skinny: cast_out(
+            torch.ops.mkldnn._linear_pointwise(cast_in(), packed, float_bias, "none", [], ""))
     if ops is not None:
         calls["skinny"] = lambda layer, weight, packed, skinny: cast_out(
             ops.skinny_linear(cast_in(), skinny, out_features, float_bias))
