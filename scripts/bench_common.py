@@ -35,6 +35,11 @@ def preset_model(preset: str) -> Path:
 
 
 def vocab_size(model: Path) -> int:
+    """The vocabulary of a checkpoint folder or a GGUF file."""
+    if model.is_file():
+        from raylm.configs.model_info import read_model_info
+
+        return read_model_info(str(model)).vocab_size
     return json.loads((model / "config.json").read_text())["vocab_size"]
 
 

@@ -150,7 +150,7 @@ def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
     for name, module in model.named_modules():
         kind = name.rsplit(".", 1)[-1]
         if kind in LINEARS:
-            out_features, in_features = module.weight.shape
+            out_features, in_features = module.gemm_shape()  # a quantized weight's logical shape, not its bytes
             shapes[kind] = (in_features, out_features, shapes.get(kind, (0, 0, 0))[2] + 1)
     return shapes
 
@@ -251,7 +251,8 @@ def main() -> None:
         print(f"| {kind} GFLOP/s (in x out) | {' | '.join(cells)} |")
     print(f"\n{args.num_requests} requests per run, prefill: input {WORKLOADS['prefill'][0]} output "
           f"{WORKLOADS['prefill'][1]}; decode: input {WORKLOADS['decode'][0]} output {WORKLOADS['decode'][1]}; "
-          f"greedy fp32, mean of {args.runs} runs after a warm-up, {torch.get_num_threads()} threads")
+          f"greedy at each model's default dtype, mean of {args.runs} runs after a warm-up, "
+          f"{torch.get_num_threads()} threads")
 
 
 if __name__ == "__main__":
