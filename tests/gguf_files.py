@@ -1,7 +1,8 @@
 """GGUF files written by the tests themselves, from the tiny random checkpoints, through the `gguf` package's writer:
 llama.cpp's metadata keys and tensor names, its q/k row order for the llama architecture, Gemma's norms with their
-one folded in and Phi-3's LongRoPE factors as tensors (as llama.cpp's converter writes them), the tokenizer as
-metadata, and the linear weights quantized to the type asked for."""
+one folded in and Phi-3's LongRoPE factors as tensors (as llama.cpp's converter writes them), the MoE families' experts
+stacked per layer and their own keys (tests/gguf_moe_files.py), the tokenizer as metadata, and the linear weights
+quantized to the type asked for."""
 from __future__ import annotations
 
 import json
@@ -13,13 +14,15 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from raylm.cluster.models.tiny_tokenizer import SPECIAL_TOKENS
+from tests.gguf_moe_files import MOE_ARCHS, ROUTERS, add_moe, moe_tensors
 
 # Mistral's checkpoints convert as llama files (llama.cpp has no mistral architecture for them).
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
          "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-         "Phi3ForCausalLM": "phi3"}
+         "Phi3ForCausalLM": "phi3", **MOE_ARCHS}
 PRE_TOKENIZERS = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma2": "llama-bpe",
-                  "gemma3": "llama-bpe", "phi3": "llama-bpe"}
+                  "gemma3": "llama-bpe", "phi3": "llama-bpe", "qwen3moe": "qwen2", "deepseek2": "llama-bpe",
+                  "gpt-oss": "llama-bpe"}
 
 
 def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -30,9 +33,10 @@ def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationType,
                embedding_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
-               tokenizer_model: str = "gpt2") -> Path:
+               tokenizer_model: str = "gpt2", expert_type: gguf.GGMLQuantizationType | None = None) -> Path:
     """`checkpoint` (an HF folder from make_tiny_model) as a GGUF file at `out`; `tokenizer_model` the vocabulary
-    kind it declares (the vocabulary itself stays the checkpoint's byte-level BPE)."""
+    kind it declares (the vocabulary itself stays the checkpoint's byte-level BPE); `expert_type` the MoE experts'
+    type (None: linear_type's). Routers stay float32, as llama.cpp's converter keeps them."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -59,10 +63,12 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationTy
         _add_gemma(writer, config)
     elif arch == "phi3":
         _add_phi3(writer, config, rope)
+    if config["architectures"][0] in MOE_ARCHS:
+        add_moe(writer, config, arch, rope)
     _add_tokenizer(writer, checkpoint, PRE_TOKENIZERS[arch], tokenizer_model)
     tensor_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                           config["num_hidden_layers"])
-    for name, weight in load_file(checkpoint / "model.safetensors").items():
+    for name, weight in moe_tensors(load_file(checkpoint / "model.safetensors"), config).items():
         gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
         weight = weight.astype(np.float32)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
@@ -70,8 +76,9 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationTy
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             weight = weight + 1
         qtype = gguf.GGMLQuantizationType.F32
-        if weight.ndim == 2:
+        if weight.ndim >= 2 and not name.endswith(".bias") and not name.endswith(ROUTERS):
             qtype = embedding_type if "embed_tokens" in name or name.startswith("lm_head") else linear_type
+            qtype = expert_type or qtype if ".experts." in name else qtype
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, weight)
         elif qtype == gguf.GGMLQuantizationType.F16:

@@ -129,14 +129,15 @@ def test_mistral_file_runs_as_llama_with_the_hf_tokenizer(tmp_path: Path) -> Non
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
-    """A DeepSeek GGUF (MLA, experts) is refused from its metadata, before the engine reads a tensor."""
-    path = tmp_path / "deepseek.gguf"
-    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    """A Qwen2-MoE GGUF (shared experts with their own gate) is refused from its metadata, before the engine reads a
+    tensor."""
+    path = tmp_path / "qwen2moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2moe")
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'deepseek2' is not supported; raylm runs GGUF files of "
+    with pytest.raises(ValueError, match="GGUF architecture 'qwen2moe' is not supported; raylm runs GGUF files of "
                                          "llama, qwen2, qwen3, gemma2, gemma3, phi3"):
         LLM(model=str(path), max_model_len=128)

@@ -6,8 +6,10 @@ merges, token types, special ids, chat template) live as key/value metadata in t
 metadata only (the tensors stay memory-mapped, unread) and are pure functions of the file.
 
 Supported: architectures llama (Mistral's files too: llama.cpp converts them as llama), qwen2, qwen3, gemma2, gemma3
-and phi3 (their own settings: configs.gguf_families); byte-level BPE vocabularies (`tokenizer.ggml.model` gpt2) with the
-pre-tokenizer splits below. Anything else is refused with the name found in the file.
+and phi3 (their own settings: configs.gguf_families), and the MoE families: Mixtral (a llama file with experts),
+qwen3moe, deepseek2 (DeepSeek V2 / V3) and gpt-oss (configs.gguf_moe); byte-level BPE vocabularies
+(`tokenizer.ggml.model` gpt2) with the pre-tokenizer splits below. Anything else is refused with the name found in
+the file.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raylm.configs.gguf_families import MODEL_TYPES, family_settings
+from raylm.configs.gguf_moe import is_moe_file, moe_settings
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -24,7 +27,9 @@ if TYPE_CHECKING:
 
 # general.architecture -> the Hugging Face class raylm runs it as
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
+                 "gpt-oss": "GptOssForCausalLM"}
 
 # tokenizer.ggml.pre -> the regex that splits text before byte-level BPE (llama.cpp's, per vocabulary); None: GPT-2's
 # own split inside the ByteLevel pre-tokenizer.
@@ -90,7 +95,8 @@ def read_gguf_config(path: str | Path) -> PretrainedConfig:
     hidden, heads = int(get("embedding_length")), _one_value(get("attention.head_count"), "attention.head_count")
     kv_heads = _one_value(get("attention.head_count_kv", heads), "attention.head_count_kv")
     head_dim = int(get("attention.key_length", hidden // heads))
-    if int(get("attention.value_length", head_dim)) != head_dim:
+    # DeepSeek's MLA keeps keys and values of other sizes (configs.gguf_moe reads them).
+    if arch != "deepseek2" and int(get("attention.value_length", head_dim)) != head_dim:
         raise ValueError(f"GGUF file {path}: value heads of another size than key heads are not supported")
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     settings: dict[str, Any] = dict(
@@ -111,8 +117,11 @@ def read_gguf_config(path: str | Path) -> PretrainedConfig:
         settings["attention_bias"] = "blk.0.attn_q.bias" in tensors
     rope_theta, rope_scaling = float(get("rope.freq_base", 10000.0)), _rope_scaling(get, path, tensors, head_dim)
     rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
-    settings.update(family_settings(arch, get, lambda name: _tensor_values(path, name), tensors, rope, head_dim))
-    return AutoConfig.for_model(MODEL_TYPES.get(arch, arch), **settings)
+    if is_moe_file(arch, get):
+        settings.update(moe_settings(arch, get, tensors, rope))
+    else:
+        settings.update(family_settings(arch, get, lambda name: _tensor_values(path, name), tensors, rope, head_dim))
+    return AutoConfig.for_model(settings.pop("model_type", MODEL_TYPES.get(arch, arch)), **settings)
 
 
 def _tensor_values(path: str | Path, name: str) -> list[float]:

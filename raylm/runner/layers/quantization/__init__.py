@@ -16,7 +16,8 @@ def get_quantization_config(method: str, hf_config: PretrainedConfig) -> Quantiz
     """The config of `method` for this model, or None for `none`."""
     if method == "none":
         return None
-    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+    # A GGUF file's experts load dequantized (runner/models/gguf_weights.py); its linears keep their blocks.
+    if method != "gguf" and (getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)):
         architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
         raise ValueError(f"quantization {method!r}: the experts of {architecture} (FusedMoE) are not quantized "
                          "yet; use quantization 'none'")

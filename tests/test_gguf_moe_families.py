@@ -1,0 +1,163 @@
+"""GGUF files of the MoE families (Mixtral, Qwen3-MoE, DeepSeek V2 / V3, GPT-OSS), written by the test from tiny random
+checkpoints (2 layers, 4 experts) as llama.cpp's converter writes them (tests/gguf_files.py, tests/gguf_moe_files.py):
+the config read from the metadata against the checkpoint's own, and raylm's greedy tokens and logprobs on the file
+against transformers on the checkpoint (its weights rounded through the file's block format where the file is
+quantized), in float32."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, GptOssConfig
+
+from raylm.cluster import LLM, SamplingParams
+from raylm.cluster.models.tiny_model import make_tiny_model
+from raylm.cluster.models.tiny_tokenizer import build_tokenizer
+from raylm.configs.gguf_metadata import read_gguf_config
+from tests.gguf_files import write_gguf
+from tests.reference import TOP_K, check_logprobs_close, hf_greedy
+
+Q = gguf.GGMLQuantizationType
+MAX_POSITION = 128
+PROMPTS = [list(range(40, 70)), [7, 300, 12, 5] * 6]
+MAX_TOKENS = 6
+TINY = dict(vocab_size=512, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, num_experts=4,
+            max_position_embeddings=MAX_POSITION)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707,
+        "mscale_all_dim": 0.707, "rope_theta": 10000.0, "beta_fast": 32.0, "beta_slow": 1.0}
+DEEPSEEK = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                max_position_embeddings=MAX_POSITION, rms_norm_eps=1e-6, tie_word_embeddings=False)
+# V2 without q-lora, group-limited greedy softmax routing and DeepSeek's YaRN; V3 with q-lora, sigmoid routing with
+# the correction bias, renormalised weights (rope dims in adjacent pairs, as DeepSeek's checkpoints and llama.cpp
+# have them).
+DEEPSEEK_KINDS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "deepseek_v2": (DeepseekV2Config, dict(q_lora_rank=None, topk_method="group_limited_greedy", rope_parameters=YARN)),
+    "deepseek_v3": (DeepseekV3Config, dict(q_lora_rank=32, norm_topk_prob=True, rope_interleave=True,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+GPT_OSS = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+               max_position_embeddings=MAX_POSITION, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+# (family, linear type, expert type): float32 throughout; Qwen3-MoE all in Q8_0; GPT-OSS's experts in MXFP4, the
+# type llama.cpp keeps them in.
+CASES = [("mixtral", Q.F32, Q.F32), ("qwen3_moe", Q.F32, Q.F32), ("qwen3_moe", Q.Q8_0, Q.Q8_0),
+         ("deepseek_v2", Q.F32, Q.F32), ("deepseek_v3", Q.F32, Q.F32), ("gpt_oss", Q.F32, Q.F32),
+         ("gpt_oss", Q.F32, Q.MXFP4)]
+Result = list[tuple[list[int], list[dict[int, float]]]]
+
+
+def _widened(model: torch.nn.Module, path: Path, tokenizer: Any) -> Path:
+    """transformers' model saved with its weights drawn wide (norms around 1, the rest std 0.1, GPT-OSS's sinks std 2)
+    so that attention, the routing and every expert decide tokens."""
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name:
+                tensor.uniform_(0.5, 1.5)
+            elif tensor.is_floating_point() and "rotary" not in name:
+                tensor.normal_(0.0, 2.0 if "sinks" in name else 0.1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _checkpoint(family: str, root: Path) -> Path:
+    if family in ("mixtral", "qwen3_moe"):
+        return make_tiny_model(root / family, arch=family, **TINY)
+    tokenizer = build_tokenizer(512)
+    if family == "gpt_oss":
+        config = GptOssConfig(vocab_size=len(tokenizer), architectures=["GptOssForCausalLM"], **GPT_OSS)
+    else:
+        cls, fields = DEEPSEEK_KINDS[family]
+        config = cls(vocab_size=len(tokenizer), architectures=[f"{cls.__name__[:-6]}ForCausalLM"], **DEEPSEEK,
+                     **fields)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                                     tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    return _widened(AutoModelForCausalLM.from_config(config, dtype=torch.float32), root / family, tokenizer)
+
+
+def _rounded(checkpoint: Path, out: Path, linear: Q, experts: Q) -> Path:
+    """The checkpoint with each weight the file quantizes rounded through its type, along the rows the file stores
+    (GPT-OSS's experts are [experts, in, out] in the checkpoint, transposed in the file)."""
+    def round_trip(weight: np.ndarray, qtype: Q, transposed: bool) -> np.ndarray:
+        if qtype == Q.F32:
+            return weight
+        rows = weight.swapaxes(-1, -2) if transposed else weight
+        rows = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(rows), qtype), qtype)
+        return np.ascontiguousarray(rows.swapaxes(-1, -2) if transposed else rows)
+
+    shutil.copytree(checkpoint, out)
+    tensors = load_file(checkpoint / "model.safetensors")
+    for name, weight in tensors.items():
+        if weight.ndim >= 2 and "gate.weight" not in name and "router" not in name and "bias" not in name:
+            gpt_oss_expert = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            tensors[name] = round_trip(weight, experts if ".experts." in name else linear, gpt_oss_expert)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {family: _checkpoint(family, root) for family in dict.fromkeys(case[0] for case in CASES)}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: f"{case[0]}-{case[1].name}-{case[2].name}")
+def gguf_file(request: pytest.FixtureRequest, checkpoints: dict[str, Path],
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, tuple[Q, Q]]:
+    """(the HF checkpoint, the GGUF written from it, (linear type, expert type))."""
+    family, linear, experts = request.param
+    out = tmp_path_factory.mktemp("gguf") / f"{family}-{linear.name}-{experts.name}.gguf"
+    return (checkpoints[family], write_gguf(checkpoints[family], out, linear, embedding_type=linear,
+                                            expert_type=experts), (linear, experts))
+
+
+CONFIG_KEYS = ("architectures", "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "hidden_size", "intermediate_size", "tie_word_embeddings", "num_local_experts", "num_experts",
+               "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers", "sliding_window",
+               "layer_types", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor", "n_group",
+               "topk_group", "rope_interleave", "swiglu_limit", "attention_bias", "rope_parameters")
+
+
+def test_config_from_metadata(gguf_file: tuple[Path, Path, tuple[Q, Q]]) -> None:
+    checkpoint, path, _ = gguf_file
+    ours, original = read_gguf_config(path).to_dict(), json.loads((checkpoint / "config.json").read_text())
+    for key in CONFIG_KEYS:
+        if key in original:
+            assert ours.get(key) == pytest.approx(original[key]), key
+    if original["model_type"] == "deepseek_v2":  # V3 always routes noaux_tc
+        assert ours["topk_method"] == original["topk_method"]
+
+
+def test_generation_matches_transformers(gguf_file: tuple[Path, Path, tuple[Q, Q]], tmp_path: Path) -> None:
+    """raylm in float32 on the file (experts restacked into its fused layers, DeepSeek's kv_b rebuilt from k_b / v_b,
+    GPT-OSS's gate / up interleaved again, blocks dequantized) generates what transformers generates from the
+    checkpoint."""
+    checkpoint, path, (linear, experts) = gguf_file
+    rounded = linear != Q.F32 or experts != Q.F32
+    reference = _rounded(checkpoint, tmp_path / "rounded", linear, experts) if rounded else checkpoint
+    assert check_logprobs_close(hf_greedy(reference, PROMPTS, MAX_TOKENS), _raylm(path), path.name) == 0
+
+
+def _raylm(path: Path, **settings: Any) -> Result:
+    llm = LLM(model=str(path), dtype="float32", max_model_len=MAX_POSITION, enable_prefix_caching=False, **settings)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K),
+                               use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
