@@ -74,7 +74,7 @@ def test_no_float_copy_where_amx_runs(formats: dict[str, Path], name: str) -> No
     amx = kernels.amx_kernels_for(torch.device("cpu"), torch.bfloat16) is not None
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            assert linear.gemm_plan is not None, "quantized layers are planned"
+            assert linear.gemm_plan is not None and linear.kernel_name() == "planned", "quantized layers are planned"
             float_kernels = set(linear.gemm_plan.kernels) - BLOCK_KERNELS
             if amx:
                 assert linear.dequantized is None and not float_kernels, linear.gemm_plan

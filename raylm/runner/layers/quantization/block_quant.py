@@ -137,6 +137,8 @@ class BlockQuantMethod(QuantizeMethodBase):
         fmt = layer.weight.quant_format
         if fmt is None or layer.packed_weight is not None:
             return _FLOAT.kernel_name(layer)
+        if layer.block_matmul is not None:  # its block kernels, without a float copy: plan_linears times them
+            return "planned"
         return f"{fmt.name} blocks" + ("" if layer.block_kernels is not None else " (dequantized per call)")
 
 

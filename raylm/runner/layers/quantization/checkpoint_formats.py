@@ -71,7 +71,8 @@ class CheckpointQuantMethod(BlockQuantMethod):
         return super().apply(layer, x, bias)
 
     def kernel_name(self, layer: Any) -> str:
-        return f"{super().kernel_name(layer)} ({self.quant.method})"
+        name = super().kernel_name(layer)
+        return name if name == "planned" else f"{name} ({self.quant.method})"  # a planned one shows on the plan line
 
     def changes_input(self, layer: Any) -> bool:
         return getattr(layer, "input_perm", None) is not None or self.quant.activations is not None
