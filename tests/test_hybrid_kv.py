@@ -154,6 +154,14 @@ def test_hit_needs_the_sliding_window_blocks() -> None:
     assert kv.num_free_blocks == 16 and group.block_pool.num_free_blocks == 6
 
 
+def test_usage_counts_the_fuller_pool() -> None:
+    """A pool of 6 sliding blocks fills before the 32 global ones: usage (the metric, the router's load) says so."""
+    kv = KVCacheManager(32, BLOCK, True, sliding_group=SlidingWindowGroup(6, BLOCK, WINDOW, True))
+    request = Request("a", list(range(100, 120)), SamplingParams(max_tokens=8))
+    assert kv.allocate_slots(request, 20) is not None  # 5 global blocks; 5 sliding ones until the window moves
+    assert kv.usage == 5 / 6
+
+
 def test_gpt_oss_alternating_layers(tmp_path: Path) -> None:
     """GPT-OSS (sinks, sliding and global layers alternating): its sliding group stays within the window while the
     tokens are transformers'."""

@@ -63,7 +63,10 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.block_pool.usage
+        """The fuller pool's fraction in use: with a sliding group, whichever of the two pools runs out first is
+        what stops admission (the router and the metric read this)."""
+        sliding = self.sliding_group.block_pool.usage if self.sliding_group is not None else 0.0
+        return max(self.block_pool.usage, sliding)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
