@@ -145,11 +145,26 @@ def test_config_from_metadata(gguf_file: tuple[Path, Path, tuple[Q, Q]]) -> None
 def test_generation_matches_transformers(gguf_file: tuple[Path, Path, tuple[Q, Q]], tmp_path: Path) -> None:
     """raylm in float32 on the file (experts restacked into its fused layers, DeepSeek's kv_b rebuilt from k_b / v_b,
     GPT-OSS's gate / up interleaved again, blocks dequantized) generates what transformers generates from the
-    checkpoint."""
+    checkpoint, and the chosen tokens' logprobs agree, which a small error (a routing rule, a rope scale) moves before
+    it flips a token. A quantized file's linears keep their blocks, whose kernel rounds the activations to 8 bits as
+    llama.cpp's does: its logprobs agree to 2e-2, and one sequence may leave transformers' at a near-tie."""
     checkpoint, path, (linear, experts) = gguf_file
     rounded = linear != Q.F32 or experts != Q.F32
     reference = _rounded(checkpoint, tmp_path / "rounded", linear, experts) if rounded else checkpoint
-    assert check_logprobs_close(hf_greedy(reference, PROMPTS, MAX_TOKENS), _raylm(path), path.name) == 0
+    expected, ours = hf_greedy(reference, PROMPTS, MAX_TOKENS), _raylm(path)
+    assert check_logprobs_close(expected, ours, path.name) <= (1 if linear != Q.F32 else 0)
+    assert _chosen_logprob_error(expected, ours) < (2e-2 if linear != Q.F32 else 1e-4), path.name
+
+
+def _chosen_logprob_error(expected: Result, ours: Result) -> float:
+    """The largest difference of the chosen tokens' logprobs, up to each sequence's first divergence."""
+    errors = [0.0]
+    for (tokens, ref_tops), (our_tokens, our_tops) in zip(expected, ours):
+        for token, our_token, ref_top, our_top in zip(tokens, our_tokens, ref_tops, our_tops):
+            if token != our_token:
+                break
+            errors.append(abs(ref_top[token] - our_top[token]))
+    return max(errors)
 
 
 def _raylm(path: Path, **settings: Any) -> Result:
