@@ -33,10 +33,12 @@ def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationType,
                embedding_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
-               tokenizer_model: str = "gpt2", expert_type: gguf.GGMLQuantizationType | None = None) -> Path:
+               tokenizer_model: str = "gpt2", expert_type: gguf.GGMLQuantizationType | None = None,
+               split_kv_b: bool = True) -> Path:
     """`checkpoint` (an HF folder from make_tiny_model) as a GGUF file at `out`; `tokenizer_model` the vocabulary
     kind it declares (the vocabulary itself stays the checkpoint's byte-level BPE); `expert_type` the MoE experts'
-    type (None: linear_type's). Routers stay float32, as llama.cpp's converter keeps them."""
+    type (None: linear_type's; routers stay float32, as llama.cpp's converter keeps them); `split_kv_b` False writes
+    DeepSeek's MLA as llama.cpp did before it split kv_b into k_b and v_b."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -64,11 +66,11 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: gguf.GGMLQuantizationTy
     elif arch == "phi3":
         _add_phi3(writer, config, rope)
     if config["architectures"][0] in MOE_ARCHS:
-        add_moe(writer, config, arch, rope)
+        add_moe(writer, config, arch, rope, split_kv_b)
     _add_tokenizer(writer, checkpoint, PRE_TOKENIZERS[arch], tokenizer_model)
     tensor_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                           config["num_hidden_layers"])
-    for name, weight in moe_tensors(load_file(checkpoint / "model.safetensors"), config).items():
+    for name, weight in moe_tensors(load_file(checkpoint / "model.safetensors"), config, split_kv_b).items():
         gguf_name = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
         weight = weight.astype(np.float32)
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):

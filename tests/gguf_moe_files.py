@@ -16,8 +16,10 @@ ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".mlp.router.wei
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
-def add_moe(writer: gguf.GGUFWriter, config: dict[str, Any], arch: str, rope: dict[str, Any]) -> None:
-    """The expert keys of every MoE family, DeepSeek's MLA and routing keys, and YaRN where the rope has it."""
+def add_moe(writer: gguf.GGUFWriter, config: dict[str, Any], arch: str, rope: dict[str, Any],
+            split_kv_b: bool = True) -> None:
+    """The expert keys of every MoE family, DeepSeek's MLA and routing keys (split_kv_b False: as llama.cpp wrote them
+    before it split kv_b), and YaRN where the rope has it."""
     writer.add_expert_count(config.get("num_local_experts") or config.get("num_experts") or config["n_routed_experts"])
     writer.add_expert_used_count(config["num_experts_per_tok"])
     if arch == "qwen3moe":
@@ -26,7 +28,7 @@ def add_moe(writer: gguf.GGUFWriter, config: dict[str, Any], arch: str, rope: di
         writer.add_sliding_window(config["sliding_window"])
         writer.add_expert_feed_forward_length(config["intermediate_size"])
     elif arch == "deepseek2":
-        _add_deepseek2(writer, config)
+        _add_deepseek2(writer, config, split_kv_b)
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -35,19 +37,24 @@ def add_moe(writer: gguf.GGUFWriter, config: dict[str, Any], arch: str, rope: di
             writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
-def _add_deepseek2(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+def _add_deepseek2(writer: gguf.GGUFWriter, config: dict[str, Any], split_kv_b: bool) -> None:
     """DeepseekV2Model.set_gguf_parameters: MLA run as MQA over the latent (one KV head of kv_lora_rank + rope), the
-    per-head sizes as the _mla lengths, the dense first layers and the routing."""
+    per-head sizes as the _mla lengths (before the split: every head a KV head, the per-head sizes as the key / value
+    lengths), the dense first layers and the routing."""
     kv_lora_rank, rope_dim = config["kv_lora_rank"], config["qk_rope_head_dim"]
-    writer.add_head_count_kv(1)
     writer.add_leading_dense_block_count(config["first_k_dense_replace"])
     if config.get("q_lora_rank"):
         writer.add_q_lora_rank(config["q_lora_rank"])
     writer.add_kv_lora_rank(kv_lora_rank)
-    writer.add_key_length(kv_lora_rank + rope_dim)
-    writer.add_value_length(kv_lora_rank)
-    writer.add_key_length_mla(config["qk_nope_head_dim"] + rope_dim)
-    writer.add_value_length_mla(config["v_head_dim"])
+    if split_kv_b:
+        writer.add_head_count_kv(1)
+        writer.add_key_length(kv_lora_rank + rope_dim)
+        writer.add_value_length(kv_lora_rank)
+        writer.add_key_length_mla(config["qk_nope_head_dim"] + rope_dim)
+        writer.add_value_length_mla(config["v_head_dim"])
+    else:
+        writer.add_key_length(config["qk_nope_head_dim"] + rope_dim)
+        writer.add_value_length(config["v_head_dim"])
     writer.add_rope_dimension_count(rope_dim)
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_expert_shared_count(config["n_shared_experts"])
@@ -60,7 +67,8 @@ def _add_deepseek2(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
 
 
-def moe_tensors(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, np.ndarray]:
+def moe_tensors(tensors: dict[str, np.ndarray], config: dict[str, Any], split_kv_b: bool = True
+                ) -> dict[str, np.ndarray]:
     """The checkpoint's tensors as the converter hands them to the gguf package's name map (unchanged for the other
     families)."""
     if config["architectures"][0] not in MOE_ARCHS:
@@ -71,7 +79,7 @@ def moe_tensors(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[
         match = _EXPERT.match(name)
         if match:
             experts[(match[1], match[3])][int(match[2])] = weight
-        elif name.endswith("kv_b_proj.weight"):
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:
             heads, nope = config["num_attention_heads"], config["qk_nope_head_dim"]
             kv_b = weight.reshape(heads, nope + config["v_head_dim"], weight.shape[-1])
             out[name.replace("kv_b_proj", "k_b_proj")] = kv_b[:, :nope].transpose(0, 2, 1).copy()

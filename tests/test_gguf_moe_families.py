@@ -176,3 +176,17 @@ def _raylm(path: Path, **settings: Any) -> Result:
     finally:
         llm.shutdown()
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
+
+
+def test_deepseek_file_from_before_the_kv_b_split(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """A DeepSeek file as llama.cpp wrote them before splitting kv_b (`attn_kv_b` whole, every head a KV head, the
+    head sizes as key / value lengths) reads as the same model."""
+    checkpoint = checkpoints["deepseek_v3"]
+    path = write_gguf(checkpoint, tmp_path / "deepseek-kv_b.gguf", Q.F32, Q.F32, split_kv_b=False)
+    assert "blk.1.attn_kv_b.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    ours, original = read_gguf_config(path).to_dict(), json.loads((checkpoint / "config.json").read_text())
+    for key in ("num_key_value_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"):
+        assert ours[key] == original[key], key
+    expected, ours_result = hf_greedy(checkpoint, PROMPTS, MAX_TOKENS), _raylm(path)
+    assert check_logprobs_close(expected, ours_result, path.name) == 0
+    assert _chosen_logprob_error(expected, ours_result) < 1e-4
