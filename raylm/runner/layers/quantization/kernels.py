@@ -9,8 +9,10 @@ float kernels on a dequantized copy). torch's own weight-only ops (`_weight_int8
 `_weight_int4pack_mm_for_cpu`) were slower than both on the CPUs measured (scripts/bench_quant_kernels.py), so they
 are not used.
 
-The dequantize-per-call path (CUDA, other dtypes, `custom_ops="none"`) keeps the weights packed in memory and makes a
-float copy of one layer's weight per call: correct everywhere, fast nowhere; a fused GPU kernel would replace it.
+On CUDA, where triton is installed, `triton_block_gemm` multiplies x by the blocks as they lie in device memory, each
+tile of W decoded in registers (float32, bfloat16 and float16 x). The dequantize-per-call path (CUDA without triton,
+other dtypes, `custom_ops="none"`) keeps the weights packed in memory and makes a float copy of one layer's weight per
+call: correct everywhere, fast nowhere.
 """
 from __future__ import annotations
 
@@ -65,6 +67,16 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: to
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
 
 
+@cache
+def _triton_gemm() -> ModuleType | None:
+    """triton_block_gemm where triton (an optional extra) is installed, else None; imported on the first CUDA call."""
+    try:
+        from raylm.runner.layers.quantization import triton_block_gemm
+    except ImportError:
+        return None
+    return triton_block_gemm
+
+
 _UNSET = object()
 
 
@@ -75,6 +87,9 @@ def block_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: 
     if ops is _UNSET:
         ops = kernels_for(x.device, x.dtype)
     if ops is None:
+        gemm = _triton_gemm() if x.is_cuda and cpu_kernels.is_enabled() else None
+        if gemm is not None and x.dtype in gemm.DTYPES:
+            return gemm.block_linear(x, packed, fmt, bias)
         return F.linear(x, dequantize(packed, fmt).to(x.dtype), bias)
     x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     # ops is the kernels' module here (_UNSET replaced, None returned): the sentinel makes its type `object`.
