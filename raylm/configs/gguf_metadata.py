@@ -200,7 +200,8 @@ def gguf_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_SPLITS:
         raise ValueError(f"GGUF file {path}: pre-tokenizer {pre!r} is not supported; supported: "
-                         f"{', '.join(PRE_TOKENIZER_SPLITS)}")
+                         f"{', '.join(PRE_TOKENIZER_SPLITS)}; pass tokenizer= the model's Hugging Face tokenizer "
+                         "folder or hub id")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     if not metadata.get("tokenizer.ggml.merges"):
         raise ValueError(f"GGUF file {path}: its byte-level BPE vocabulary comes without merges")
