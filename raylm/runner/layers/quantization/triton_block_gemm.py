@@ -43,7 +43,7 @@ def _cast(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     return v.to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one build for every batch size of a tile (not one for M = 1, M % 16 == 0)
 def block_gemm(x_ptr, w_ptr, w_half_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym, row_bytes,
                FORMAT: tl.constexpr, TYPE_BYTES: tl.constexpr, HEADER_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
