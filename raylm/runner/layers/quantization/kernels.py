@@ -1,9 +1,10 @@
 """The matmul on weights kept in ggml block formats: raylm's CPU kernels (`runner/csrc/quant/block_gemm.cpp`), built
 once per machine like the other CPU kernels, or a dequantize-per-call path (plain torch) everywhere else.
 
-On CPU in float32 a batch of up to MAX_DIRECT_ROWS rows decodes each block of 32 weights in registers, once for all
-rows, and multiplies the integers by x directly; a larger batch decodes tiles of 256 weight rows to float32 and runs
-torch's sgemm on each. For bfloat16 activations on a CPU with AMX-BF16, `amx_linear` decodes panels of 32 weight rows
+On CPU in float32 a batch of up to MAX_DIRECT_ROWS rows is quantized to int8 per block of 32 (a scale per block, as
+llama.cpp does) and meets each block's integers in integer dot products (AVX512-VNNI, AVX-VNNI or AVX2; `int8_dot.h`),
+every block read once for all rows; a larger batch decodes tiles of 256 weight rows to float32 and runs torch's sgemm
+on each. For bfloat16 activations on a CPU with AMX-BF16, `amx_linear` decodes panels of 32 weight rows
 to bfloat16 in cache and multiplies them on AMX tiles (a candidate of the GEMM plan beside the block kernel and the
 float kernels on a dequantized copy). torch's own weight-only ops (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) were slower than both on the CPUs measured (scripts/bench_quant_kernels.py), so they
@@ -27,19 +28,27 @@ from raylm.runner import cpu_kernels
 from raylm.runner.layers.quantization.ggml_blocks import BlockFormat, dequantize
 
 _SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "quant"
-# Batches of up to this many rows decode blocks in registers; larger ones decode tiles for sgemm. On a 2-core EPYC the
-# direct kernel ran 1.2-2x the tiled one up to 8 rows, the two met at 12-16, and tiles won from 32.
+# Batches of up to this many rows take the integer kernel; larger ones decode tiles for sgemm. On one Sapphire Rapids
+# core (SmolLM2's shapes, Q4_1 and Q8_0) the integer kernel ran 1.7-2x the tiled one at 4 rows and met it at 12-16.
 MAX_DIRECT_ROWS = 12
 
 
+# Builds that take a narrower instruction set's path than this CPU's (the last -march wins over -march=native), for
+# the tests and benchmarks: an AVX2-only CPU's (the integer dot products by vpmaddubsw) and one with AVX-VNNI but no
+# AVX-512 (a client core's).
+ISA_BUILDS = {"avx2": ("-march=haswell",), "avx_vnni": ("-march=haswell", "-mavxvnni")}
+
+
 @cache
-def load(portable: bool = False) -> ModuleType | None:
+def load(portable: bool = False, isa: str | None = None) -> ModuleType | None:
     """The compiled kernels, or None (one warning) where they cannot be built. `portable`: a separate build that
-    takes the plain-loop path a CPU without AVX2 + FMA runs, whatever this CPU has (the tests check it)."""
+    takes the plain-loop path a CPU without AVX2 + FMA runs, whatever this CPU has (the tests check it); `isa`: one of
+    ISA_BUILDS, which this CPU must be able to run."""
+    flags = ("-DRAYLM_PORTABLE_KERNELS",) if portable else ISA_BUILDS[isa] if isa is not None else ()
+    kind = "quant_kernels_portable" if portable else f"quant_kernels_{isa}" if isa is not None else "quant_kernels"
     return cpu_kernels.load_extension(
-        "quant_kernels_portable" if portable else "quant_kernels", sorted(_SOURCES.glob("*.[ch]*")), "block_gemm.cpp",
-        "raylm: building the quantized matmul kernels (once per machine, ~20 s)...",
-        extra_cflags=("-DRAYLM_PORTABLE_KERNELS",) if portable else ())
+        kind, sorted(_SOURCES.glob("*.[ch]*")), "block_gemm.cpp",
+        "raylm: building the quantized matmul kernels (once per machine, ~20 s)...", extra_cflags=flags)
 
 
 def kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
