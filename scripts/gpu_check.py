@@ -1,9 +1,10 @@
 """GPU checks in one command (within --budget-s, 300 s by default, on one GPU): backends token-exact, decode step time
 eager vs CUDA graphs with the graphs proven (every capture size captured once, every timed step replayed, none eager)
 and the steps run under sync-debug mode "error", offline throughput against transformers, weight-read bandwidth at
-batch 1, sleep / wake-up, and the sampler's paths without a host wait. Each section records its error in the table
-and the script goes on; one table at the end, each row naming the attention backend, dtype, graph mode and sync-debug
-result it ran with (and as JSON with --output-json, with every timed step's graph key).
+batch 1, sleep / wake-up, the sampler's paths without a host wait, and the Triton kernel on quantized blocks against
+dequantize-then-matmul. Each section records its error in the table and the script goes on; one table at the end,
+each row naming the attention backend, dtype, graph mode and sync-debug result it ran with (and as JSON with
+--output-json, with every timed step's graph key).
 
     python scripts/gpu_check.py [--output-json gpu_check.json] [--sections 1 3] [--budget-s 300]
 """
@@ -32,6 +33,7 @@ from scripts.bench_common import vocab_size  # noqa: E402
 from scripts.gpu_measure import (  # noqa: E402
     Row,
     add,
+    block_gemm_rows,
     build_random_qwen,
     close,
     compare_greedy,
@@ -250,7 +252,8 @@ def check_sync_free_sampling(check: GpuCheck) -> None:
 
 SECTIONS: list[tuple[str, Callable[[GpuCheck], None]]] = [
     ("1 backends", check_backends), ("2 decode step", check_decode_steps), ("3 throughput", check_throughput),
-    ("4 bandwidth", check_bandwidth), ("5 sleep", check_sleep), ("6 sampling sync", check_sync_free_sampling)]
+    ("4 bandwidth", check_bandwidth), ("5 sleep", check_sleep), ("6 sampling sync", check_sync_free_sampling),
+    ("7 quant kernel", lambda check: block_gemm_rows(check.rows, "7 quant kernel"))]
 
 
 def run_section(check: GpuCheck, section: str, fn: Callable[[GpuCheck], None]) -> None:

@@ -1,6 +1,7 @@
 """What scripts/gpu_check.py measures with: engines built and closed, greedy tokens, decode step time, a random
-Qwen2-shaped checkpoint, transformers' `generate` throughput, copy bandwidth, the result table. Everything but the
-copy bandwidth runs on CPU too, which is how tests/test_gpu_check.py keeps the script from rotting between GPU runs."""
+Qwen2-shaped checkpoint, transformers' `generate` throughput, copy bandwidth, the Triton kernel on quantized blocks,
+the result table. Everything but the copy bandwidth runs on CPU too (the block kernel in Triton's interpreter), which
+is how tests/test_gpu_check.py and tests/test_triton_block_gemm.py keep the script from rotting between GPU runs."""
 from __future__ import annotations
 
 import gc
@@ -16,6 +17,7 @@ import torch
 
 from raylm.cluster import LLM
 from raylm.common.sampling_params import SamplingParams
+from raylm.runner.layers.quantization.ggml_blocks import FORMATS, BlockFormat, dequantize, quantize
 
 Row = dict[str, Any]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)  # top-5: where 16-bit runs diverge
@@ -24,6 +26,8 @@ _ids = itertools.count()
 
 
 CASE_COLUMNS = ("backend", "dtype", "graphs", "sync")
+QUANT_LAYERS = {"qkv 6144x4096": (6144, 4096), "down 4096x14336": (4096, 14336)}  # Llama-3-8B's (N, K)
+QUANT_BATCHES = (1, 8, 64)
 
 
 def add(rows: list[Row], section: str, metric: str, value: Any, target: str = "", ok: bool | None = None,
@@ -204,6 +208,49 @@ def copy_bandwidth_gbs() -> float:
     del src, dst
     free_memory()
     return 2 * (1 << 30) * 20 / seconds / 1e9
+
+
+def device_ms(fn: Callable[[], Any]) -> float:
+    """ms per call of `fn`: on CUDA Triton's do_bench (device time, the L2 cache flushed before each call, as a
+    decode step finds a layer's weights); elsewhere the host's clock over a few calls."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+        return float(do_bench(fn, warmup=5, rep=30))
+    fn()
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - start) / 3 * 1e3
+
+
+def block_gemm_run(fmt: BlockFormat, n: int, k: int, m: int, device: str = "cuda") -> tuple[float, float, float]:
+    """The Triton kernel on a random W [n, k] in `fmt` against dequantize-then-matmul (the per-call path it
+    replaced), x [m, k] bfloat16: (kernel ms, dequantize-then-matmul ms, largest |difference| / largest |y|)."""
+    from raylm.runner.layers.quantization import triton_block_gemm
+    generator = torch.Generator(device).manual_seed(m)
+    packed = quantize(torch.randn(n, k, generator=generator, device=device) * 0.02, fmt)
+    x = torch.randn(m, k, generator=generator, device=device).to(torch.bfloat16)
+    kernel = lambda: triton_block_gemm.block_linear(x, packed, fmt, None)  # noqa: E731
+    per_call = lambda: torch.nn.functional.linear(x, dequantize(packed, fmt).to(x.dtype))  # noqa: E731
+    ours, reference = kernel().float(), per_call().float()
+    error = float((ours - reference).abs().max() / reference.abs().max())
+    return device_ms(kernel), device_ms(per_call), error
+
+
+def block_gemm_rows(rows: list[Row], section: str, device: str = "cuda",
+                    layers: dict[str, tuple[int, int]] = QUANT_LAYERS) -> None:
+    """The Triton kernel on ggml blocks (what quantized layers run on CUDA) against dequantize-then-matmul, the
+    per-call float copy it replaced: ms at each batch of QUANT_BATCHES on `layers`, bfloat16 x, and at batch 1 the rate
+    it reads W at (weight bytes / kernel time; section 4's copy GB/s is the roofline)."""
+    for layer, (n, k) in layers.items():
+        for fmt in FORMATS.values():
+            for m in QUANT_BATCHES:
+                ours, per_call, error = block_gemm_run(fmt, n, k, m, device)
+                value = f"{ours:.3f} / {per_call:.3f} ms ({per_call / ours:.1f}x), error {error:.0e}"
+                if m == 1:
+                    value += f", W read at {n * fmt.row_bytes(k) / ours / 1e6:.0f} GB/s"
+                add(rows, section, f"{fmt.name} {layer} batch {m}: triton / dequant+matmul", value,
+                    "faster, error <= 1e-2", ours < per_call and error <= 1e-2, dtype="bfloat16")
 
 
 def format_table(rows: list[Row]) -> str:

@@ -19,6 +19,7 @@ from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.runner.layers.quantization import kernels
 from raylm.runner.layers.quantization.ggml_blocks import FORMATS, BlockFormat, dequantize, quantize
+from scripts.gpu_measure import QUANT_BATCHES, block_gemm_rows
 from tests.gguf_files import write_gguf
 from tests.reference import TOP_K, assert_same_output
 
@@ -82,6 +83,18 @@ def test_leading_dims_strided_x_and_no_rows() -> None:
                                rtol=1e-5, atol=1e-5)
     empty = triton_block_gemm.block_linear(x[:, :0].to(DEVICE), packed.to(DEVICE), fmt, None)
     assert empty.shape == (2, 0, 33)
+
+
+def test_gpu_check_section_measures_each_format_and_batch() -> None:
+    """scripts/gpu_check.py's section 7 (its rows) on a tiny layer, here on the CPU: its timings pass or fail on a GPU
+    only, its error column is the kernel's against dequantize-then-matmul in bfloat16."""
+    rows: list[dict] = []
+    block_gemm_rows(rows, "7 quant kernel", DEVICE, {"tiny 40x64": (40, 64)})
+    assert [r["metric"] for r in rows] == [f"{fmt} tiny 40x64 batch {m}: triton / dequant+matmul"
+                                           for fmt in FORMATS for m in QUANT_BATCHES]
+    for row in rows:
+        error = float(row["value"].split("error ")[1].split(",")[0])
+        assert error <= 1e-2 and ("GB/s" in row["value"]) == (" batch 1:" in row["metric"]), row
 
 
 _COMPILE = """
