@@ -1,15 +1,16 @@
 """What a prompt costs the streams decoding beside it, per `max_prefill_tokens_with_decodes` (docs/scheduling.md).
 
-Timed: one engine on a checkpoint (float32), 8 requests decoding, then a 256-token prompt joins them; every step
-until the prompt has its first token is timed, for each chunk size in turn (the scheduler's cap changed between
-runs, the order reversed every other round), beside the decode steps alone. Printed: the longest step against a
-decode step, and the prompt's steps in all, medians over the rounds.
+Timed: one engine on a checkpoint (at --dtype, its default `auto` or float32), 8 requests decoding, then a 256-token
+prompt joins them; every step until the prompt has its first token is timed, for each chunk size in turn (the
+scheduler's cap changed between runs, the order reversed every other round), beside the decode steps alone. Printed:
+the longest step against a decode step, and the prompt's steps in all, medians over the rounds.
 
 --simulate runs the real Scheduler with a stand-in runner instead (no model, no timing): 8 closed-loop clients, 64
 requests of 256/257 prompt and 128 output tokens; printed per chunk size: the steps that carried decodes and prompt
 tokens together, and the largest of them.
 
-    python scripts/bench_prefill_chunk.py --model models/smollm2-135m-f32 --threads 1 --rounds 3
+    python scripts/bench_prefill_chunk.py --model models/smollm2-135m-f32 --dtype float32 --threads 1 --rounds 3
+    python scripts/bench_prefill_chunk.py --model SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 --chunks 0 16 32 64
     python scripts/bench_prefill_chunk.py --simulate
 """
 from __future__ import annotations
@@ -27,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from raylm.cluster import LLM, SamplingParams  # noqa: E402
 from scripts.bench_common import matmul_gflops  # noqa: E402
 
-CHUNKS = (0, 32, 64, 128)
+CHUNKS = [0, 32, 64, 128]
 
 
-def time_steps(model: str, rounds: int) -> None:
-    llm = LLM(model=model, dtype="float32", max_model_len=1024, enable_prefix_caching=False,
+def time_steps(model: str, rounds: int, dtype: str, chunks: list[int]) -> None:
+    llm = LLM(model=model, dtype=dtype, max_model_len=1024, enable_prefix_caching=False,
               max_prefill_tokens_with_decodes=0, disable_log_stats=True)
     engine = llm.llm_engine
     scheduler = engine.engine_core.scheduler
@@ -57,7 +58,7 @@ def time_steps(model: str, rounds: int) -> None:
     decode: list[float] = []
     runs: dict[int, list[tuple[float, float, int]]] = {}
     for round_index in range(rounds):
-        for chunk in CHUNKS if round_index % 2 == 0 else CHUNKS[::-1]:
+        for chunk in chunks if round_index % 2 == 0 else chunks[::-1]:
             scheduler.max_prefill_tokens_with_decodes = chunk
             decode += timed(3)
             add(256, max_tokens=1)  # leaves with its first token: 8 decodes again after
@@ -107,7 +108,9 @@ def simulate() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a float32 HF checkpoint folder (scripts/gguf_to_safetensors.py writes one)")
+    parser.add_argument("--model", help="a checkpoint folder or GGUF file")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--chunks", type=int, nargs="+", default=CHUNKS, help="caps timed (0: off)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--simulate", action="store_true", help="the scheduler alone, no model")
@@ -119,7 +122,7 @@ def main() -> None:
         parser.error("--model is needed (or --simulate)")
     torch.set_num_threads(args.threads)
     print(f"before: fp32 2048^3 matmul {matmul_gflops():.0f} GFLOP/s ({args.threads} thread(s))", flush=True)
-    time_steps(args.model, args.rounds)
+    time_steps(args.model, args.rounds, args.dtype, args.chunks)
     print(f"after:  fp32 2048^3 matmul {matmul_gflops():.0f} GFLOP/s")
 
 
