@@ -183,16 +183,19 @@ def _generate(llm: LLM) -> Result:
 
 def test_deepseek_file_from_before_the_kv_b_split(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """A DeepSeek file as llama.cpp wrote them before splitting kv_b (`attn_kv_b` whole, every head a KV head, the
-    head sizes as key / value lengths) reads as the same model."""
+    head sizes as key / value lengths) reads as the same model, here in Q8_0: the linears keep their blocks but kv_b,
+    which MLA multiplies by itself, loads dequantized. Against transformers on the checkpoint rounded through Q8_0
+    (logprobs within 2e-2, one near-tie divergence allowed, as in the TP=2 test below)."""
     checkpoint = checkpoints["deepseek_v3"]
-    path = write_gguf(checkpoint, tmp_path / "deepseek-kv_b.gguf", Q.F32, Q.F32, split_kv_b=False)
+    path = write_gguf(checkpoint, tmp_path / "deepseek-kv_b.gguf", Q.Q8_0, Q.Q8_0, split_kv_b=False)
     assert "blk.1.attn_kv_b.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
     ours, original = read_gguf_config(path).to_dict(), json.loads((checkpoint / "config.json").read_text())
     for key in ("num_key_value_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"):
         assert ours[key] == original[key], key
-    expected, ours_result = hf_greedy(checkpoint, PROMPTS, MAX_TOKENS), _raylm(path)
-    assert check_logprobs_close(expected, ours_result, path.name) == 0
-    assert _chosen_logprob_error(expected, ours_result) < 1e-4
+    expected = hf_greedy(_rounded(checkpoint, tmp_path / "rounded", Q.Q8_0, Q.Q8_0), PROMPTS, MAX_TOKENS)
+    ours_result = _raylm(path)
+    assert check_logprobs_close(expected, ours_result, path.name) <= 1
+    assert _chosen_logprob_error(expected, ours_result) < 2e-2
 
 
 def test_tp2_with_expert_parallel_on_ray(checkpoints: dict[str, Path], tmp_path: Path, ray_cluster: None) -> None:

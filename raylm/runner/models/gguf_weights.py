@@ -104,7 +104,8 @@ def iterate_gguf_weights(path: str | Path, hf_config: PretrainedConfig, packed: 
             raise ValueError(f"GGUF tensor {tensor.name!r} has no counterpart in raylm's {arch} model")
         if skip(name):
             continue
-        value = _read(tensor, name in packed)
+        # MLA multiplies by kv_b's weight itself (absorbed into q and the output), never through the layer's kernel.
+        value = _read(tensor, name in packed and not name.endswith("kv_b_proj.weight"))
         module = name.split(".")[-2]
         if arch == "llama" and module in heads:
             value = _unpermute_rows(value, heads[module])
