@@ -1,15 +1,21 @@
-"""The block kernels' few-row path (csrc/quant/int8_dot.h): x quantized to int8 per block of 32, integer dot products
-against each block's integers. In every instruction-set build (this CPU's, AVX-VNNI without AVX-512, AVX2 alone, the
-portable loops) it equals the product of the same int8 x and the dequantized weights up to float32 summation, and
-stays within the int8 rounding bound of the float32 x product."""
+"""The block kernel on int8 x (`packed_int8`, csrc/quant/int8_dot.h): x quantized to int8 per block of 32, integer dot
+products against each block's integers. In every instruction-set build (this CPU's, AVX-VNNI without AVX-512, AVX2
+alone, the portable loops) it equals the product of the same int8 x and the dequantized weights up to float32
+summation, and stays within the int8 rounding bound of the float32 x product; a bfloat16 quantized layer offers it to
+its GEMM plan, a float32 one does not."""
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from raylm.runner.cpu_kernels import cpu_flags
-from raylm.runner.layers.quantization import kernels
+from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, GemmPlan
+from raylm.runner.layers.linear import ColumnParallelLinear
+from raylm.runner.layers.quantization import get_quantization_config, kernels
+from raylm.runner.layers.quantization.base_config import set_quant_config
 from raylm.runner.layers.quantization.ggml_blocks import FORMATS, BlockFormat, dequantize, quantize
+from tests.runner_steps import model_parallel_of_one  # noqa: F401 - a fixture
 
 # build -> (the CPU flags it needs, the path it must take). The native build takes this CPU's best path.
 BUILDS = {"avx_vnni": ({"avx2", "fma", "avx_vnni"}, "avx_vnni"), "avx2": ({"avx2", "fma"}, "avx2"),
@@ -38,20 +44,6 @@ def _native_path() -> str:
     return "avx_vnni" if "avx_vnni" in flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
 
 
-def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the kernel quantizes it (ggml's Q8_0 arithmetic in float32, rounding half to even): d * q per block."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(blocks * torch.where(d > 0, 1 / d, 0))
-    return q.reshape(x.shape), d.squeeze(-1)
-
-
-def int8_x(x: torch.Tensor) -> torch.Tensor:
-    """x [m, k] as the few-row path multiplies it, in float64: each block's int8 times its scale."""
-    q, d = _quantize_x(x)
-    return (q.double().reshape(x.shape[0], -1, 32) * d.double().unsqueeze(-1)).reshape(x.shape)
-
-
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=generator) * torch.logspace(-2, 1, n).unsqueeze(1)
@@ -74,25 +66,38 @@ def test_int8_path_equals_its_reference(build: str, fmt: BlockFormat) -> None:
         for m in ROWS:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)) * torch.logspace(-1, 1, k)
             x[0, 32:64] = 0  # a block of x all zero: its scale 0
-            y = kernels.block_linear(x, packed, fmt, None, ops).double()
-            q, d = _quantize_x(x)
-            assert q.abs().max() <= 127
-            exact = int8_x(x) @ weight.T
+            y = kernels.int8_linear(x, packed, fmt, None, ops).double()
+            exact = kernels.int8_activations(x) @ weight.T
             case = f"{build} {fmt.name} {m}x{n}x{k}"
             torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item(),
                                        msg=lambda text, case=case: f"{case}: {text}")
-            # Against float32 x: each x within half its block's step, so |error| <= sum |w| * d / 2 per output.
-            bound = weight.abs() @ (d.double() / 2).repeat_interleave(32, dim=1).T
+            # Against float32 x: each x within half its block's step d, so |error| <= sum |w| * d / 2 per output.
+            d = x.double().reshape(m, -1, 32).abs().amax(-1) / 127
+            bound = weight.abs() @ (d / 2).repeat_interleave(32, dim=1).T
             assert ((y - x.double() @ weight.T).abs() <= bound.T * 1.001 + 1e-6).all(), case
 
 
-def test_rows_past_the_int8_path_take_the_tiles() -> None:
-    """Above max_direct_rows the tiled path multiplies float32 x as it is: equal to the float64 product to 1e-5."""
+@pytest.mark.usefixtures("model_parallel_of_one")  # the layer is built outside an engine
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_plan_offers_it_for_bfloat16_activations(dtype: torch.dtype) -> None:
+    """A bfloat16 layer planned `packed_int8` runs the integer kernel (bias added, y bfloat16); a float32 layer has no
+    such candidate (its activations keep exact products) and the name falls back to the float32 block kernel."""
+    with set_quant_config(get_quantization_config("int4", AutoConfig.for_model("llama"))):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            layer = ColumnParallelLinear(96, 40, bias=True)
+        finally:
+            torch.set_default_dtype(previous)
+    generator = torch.Generator().manual_seed(4)
+    layer.weight.weight_loader(layer.weight, torch.randn(40, 96, generator=generator))
+    layer.bias.weight_loader(layer.bias, torch.randn(40, generator=generator).to(dtype))
+    layer.process_weights_after_loading()
+    layer.gemm_plan = GemmPlan(("packed_int8",) * len(ROW_BUCKETS))
+    layer.process_weights_after_loading()
+    assert (layer.int8_matmul is not None) == (dtype == torch.bfloat16)
+    x = torch.randn(3, 96, generator=generator).to(dtype)
     fmt = FORMATS["Q4_1"]
-    packed = quantize(_weight(64, 96, seed=3), fmt)
-    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
-    reference = x.double() @ dequantize(packed, fmt).double().T
-    tiled = kernels.block_linear(x, packed, fmt, None, _ops("native"), max_direct_rows=4).double()
-    direct = kernels.block_linear(x, packed, fmt, None, _ops("native"), max_direct_rows=5).double()
-    torch.testing.assert_close(tiled, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
-    assert not torch.allclose(direct, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    kernel = kernels.int8_linear if dtype == torch.bfloat16 else kernels.block_linear
+    expected = kernel(x, layer.weight, fmt, layer.bias, _ops("native"))
+    assert torch.equal(layer(x), expected)

@@ -1,6 +1,6 @@
 """The block formats and their matmul kernels: quantize/dequantize bit for bit as the gguf package does, and the
-CPU kernels (few rows: int8 x against the blocks' integers, test_int8_dot_kernel; many rows: tiles for sgemm) and the
-dequantize-per-call path equal to dequantize-then-matmul (of the int8 x on the few-row path), on odd shapes."""
+CPU kernels (few rows: blocks decoded in registers; many rows: tiles for sgemm) and the dequantize-per-call path equal
+to dequantize-then-matmul, on odd shapes."""
 from __future__ import annotations
 
 import gguf
@@ -11,7 +11,6 @@ import torch
 from raylm.runner import cpu_kernels
 from raylm.runner.layers.quantization import kernels
 from raylm.runner.layers.quantization.ggml_blocks import FORMATS, BlockFormat, dequantize, quantize
-from tests.test_int8_dot_kernel import int8_x
 
 SHAPES = [(1, 1, 32), (1, 37, 96), (3, 5, 32), (7, 129, 160), (13, 64, 288), (40, 33, 96)]  # (rows of x, N, K)
 
@@ -49,7 +48,7 @@ def test_cpu_kernels_equal_dequantize_then_matmul(fmt: BlockFormat, max_direct_r
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n) if m % 2 else None
     y = kernels.block_linear(x, packed, fmt, bias, kernels.load(), max_direct_rows=max_direct_rows)
-    reference = _reference(int8_x(x) if m <= max_direct_rows else x, packed, fmt, bias)
+    reference = _reference(x, packed, fmt, bias)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
 
@@ -63,8 +62,8 @@ def test_portable_path_equals_dequantize_then_matmul(fmt: BlockFormat) -> None:
     m, n, k = 7, 129, 160
     packed = quantize(_weight(n, k, seed=5), fmt)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    reference = _reference(x, packed, fmt, None)
     for max_direct_rows in (0, 1 << 20):
-        reference = _reference(int8_x(x) if max_direct_rows else x, packed, fmt, None)
         y = kernels.block_linear(x, packed, fmt, None, ops, max_direct_rows=max_direct_rows)
         torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
     ids = torch.tensor([128, 0, 5])

@@ -21,12 +21,14 @@ user cache per machine (CPU features, torch, threads, shapes): every process on 
 rounds alike) and a later start-up does not measure again. Delete `~/.cache/raylm/gemm_plans` to measure anew.
 
 A block-quantized layer (quantization: int8, int4, gguf) plans the same way with its own kernels on the packed weight:
-`packed` (blocks decoded in registers, fastest at a few rows where reading fewer bytes is what counts) and, for
-bfloat16 activations on a CPU with AMX, `amx` (panels decoded to bfloat16 in cache for AMX's tile products). Where
-AMX runs, these two are the only candidates and the weight stays in its blocks alone: on a Sapphire Rapids core the
-AMX kernel ran 0.9-1.3x oneDNN's bfloat16 matmul on a dequantized copy from 64 to 512 rows. Elsewhere the float
-kernels are candidates too, on a dequantized copy of the weight (`dequantized`, in the activations' dtype; see
-quantization.block_quant), kept only where the plan picks them for some bucket (docs/cpu-performance.md).
+`packed` (blocks decoded in registers, fastest at a few rows where reading fewer bytes is what counts) and, for bfloat16
+activations, `packed_int8` (llama.cpp's few-row scheme: x quantized to int8 per block, integer dot products with the
+blocks' integers, up to _COLD_MAX_ROWS rows) and, on a CPU with AMX, `amx` (panels decoded to bfloat16 in cache for
+AMX's tile products). Where AMX runs, the block kernels are the only candidates and the weight stays in its blocks
+alone: on a Sapphire Rapids core the AMX kernel ran 0.9-1.3x oneDNN's bfloat16 matmul on a dequantized copy from 64 to
+512 rows. Elsewhere the float kernels are candidates too, on a dequantized copy of the weight (`dequantized`, in the
+activations' dtype; see quantization.block_quant), kept only where the plan picks them for some bucket
+(docs/cpu-performance.md).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from raylm.common.logger import show_info
 from raylm.configs.cache import build_once, cache_path, content_key
 from raylm.runner import cpu_kernels
 from raylm.runner.cpu_kernels import cpu_flags
+from raylm.runner.layers.quantization import kernels
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +72,11 @@ Shape = tuple[int, int, bool, str]  # (out_features, in_features, has_bias, weig
 
 
 FLOAT_KERNELS = ("sgemm", "onednn", "skinny")
-# A block-quantized layer's own kernels: `packed` decodes blocks in registers (float32), `amx` decodes panels to
-# bfloat16 for AMX's tile products (bfloat16 activations on a CPU with AMX-BF16).
-BLOCK_KERNELS = frozenset({"packed", "amx"})
-KERNELS = (*FLOAT_KERNELS, "packed", "amx")
+# A block-quantized layer's own kernels: `packed` decodes blocks in registers (float32), `packed_int8` multiplies int8 x
+# by the blocks' integers (bfloat16 activations), `amx` decodes panels to bfloat16 for AMX's tile products (bfloat16
+# activations on a CPU with AMX-BF16).
+BLOCK_KERNELS = frozenset({"packed", "packed_int8", "amx"})
+KERNELS = (*FLOAT_KERNELS, "packed", "packed_int8", "amx")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class CpuGemmMixin:
     # A block-quantized layer's own kernel (`packed` in plans) and its weight's float copy for the float kernels.
     block_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     amx_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # where AMX runs here
+    int8_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # bfloat16 activations
     dequantized: torch.Tensor | None = None
     params_dtype: torch.dtype  # a quantized layer's activations (the model's dtype), set with block_matmul
 
@@ -139,6 +144,10 @@ class CpuGemmMixin:
     def process_weights_after_loading(self) -> None:
         """Pack the weight for oneDNN (again after sleep mode's wake-up), unless its plan never uses oneDNN, and for
         the skinny kernel where its plan uses it; or upcast a bfloat16 weight once where oneDNN cannot pack it."""
+        fmt = getattr(self.weight, "quant_format", None)
+        int8 = None if self.block_matmul is None else kernels.int8_kernels_for(self.weight.device, self.params_dtype)
+        self.int8_matmul = None if int8 is None else (
+            lambda x, bias: kernels.int8_linear(x, self.weight, fmt, bias, int8))
         weight = self.gemm_weight()
         on_cpu = weight.device.type == "cpu"
         if on_cpu and self.block_matmul is None and weight.dtype == torch.bfloat16 and not onednn_packs(torch.bfloat16):
@@ -166,6 +175,8 @@ class CpuGemmMixin:
         if self.block_matmul is not None:
             if kernel == "amx" and self.amx_matmul is not None and x.dtype == torch.bfloat16:
                 return self.amx_matmul(x, bias)
+            if kernel == "packed_int8" and self.int8_matmul is not None:
+                return self.int8_matmul(x, bias)
             if kernel in BLOCK_KERNELS or self.dequantized is None:
                 return self.block_matmul(x, bias)
             # The copy's dtype may differ from x's (float32 for bfloat16 activations on a CPU without bfloat16
@@ -328,6 +339,8 @@ def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tenso
         calls["packed"] = lambda layer, weight, packed, skinny: layer.block_matmul(x, bias)  # type: ignore[misc]
         if layers[0].amx_matmul is not None:
             calls["amx"] = lambda layer, weight, packed, skinny: layer.amx_matmul(x, bias)  # type: ignore[misc]
+        if layers[0].int8_matmul is not None and x.shape[0] <= _COLD_MAX_ROWS:  # a few-row kernel
+            calls["packed_int8"] = lambda layer, weight, packed, skinny: layer.int8_matmul(x, bias)  # type: ignore[misc]
     best = {name: float("inf") for name in calls}
     for round_index in range(_TIMED_ROUNDS + 1):
         for name, call in calls.items():

@@ -1,4 +1,4 @@
-// ggml's block formats decoded on CPU (to float32 for the tiled path; int8_dot.h reads their integers as they lie).
+// ggml's block formats decoded on CPU, and the kernel that multiplies few rows of x by a row of blocks.
 //   Q4_0: fp16 d, 16 bytes of nibbles;          w = d * (q - 8)
 //   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles;  w = d * q + m
 //   Q8_0: fp16 d, 32 int8;                      w = d * q
@@ -87,6 +87,38 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Rows [n0, n1) of y (ldy floats apart) for R rows of x. Per block, sum(x * w) = scale * sum(x * q) +
+// offset * sum(x): the integers meet x directly and the block's x sums (xsum, per row) are made once per call.
+template <class B, int R>
+void gemm_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t nblocks, float* y,
+               int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = nblocks * B::kBytes;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[R];
+    float offsets[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      offsets[r] = 0.0f;
+    }
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      float scale, offset;
+      const Vec q = B::decode(row + blk * B::kBytes, scale, offset);
+      const __m256 vscale = _mm256_set1_ps(scale);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * ldx + blk * kBlock;
+        __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(xb), q.v[0]);
+        dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), q.v[1], dot);
+        dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), q.v[2], dot);
+        dot = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), q.v[3], dot);
+        acc[r] = _mm256_fmadd_ps(dot, vscale, acc[r]);
+        offsets[r] += offset * xsum[r * nblocks + blk];
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum(acc[r]) + offsets[r];
+  }
+}
+
 template <class B>
 inline void decode_floats(const uint8_t* b, float* dst) {
   float scale, offset;
@@ -139,6 +171,27 @@ struct Q8_0 {
     return q;
   }
 };
+
+template <class B, int R>
+void gemm_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t nblocks, float* y,
+               int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = nblocks * B::kBytes;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float acc[R] = {};
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      float scale, offset;
+      const Vec q = B::decode(row + blk * B::kBytes, scale, offset);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * ldx + blk * kBlock;
+        float dot = 0.0f;
+        for (int j = 0; j < kBlock; ++j) dot += xb[j] * q.v[j];
+        acc[r] += scale * dot + offset * xsum[r * nblocks + blk];
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
+  }
+}
 
 template <class B>
 inline void decode_floats(const uint8_t* b, float* dst) {

@@ -1,15 +1,16 @@
 // Matmuls on weights kept in ggml's block formats (block_formats.h), as a GGUF file stores them: y = x W^T with x
 // float32 [M, K] and W [N, K] quantized along K in blocks of 32 weights, one row of blocks per output feature.
-// Few rows (decode): x is quantized to int8 per block once per call and meets each block's integers in integer dot
-// products, every block read once for all rows (int8_dot.h); many rows (prefill): tiles of W are decoded to float32
-// once into a buffer that stays in cache and multiplied by ATen's sgemm.
-// Plain C++ for the compiler to vectorize (-O3 -march=native), with AVX2 / AVX-512 intrinsics where present.
+// Few rows (decode): every block is decoded in registers once and used by all rows of x; many rows (prefill): tiles
+// of W are decoded to float32 once into a buffer that stays in cache and multiplied by ATen's sgemm.
+// Plain C++ for the compiler to vectorize (-O3 -march=native), with AVX2 intrinsics for the decode where present.
+// block_gemm_int8 is the few-row kernel on int8 x (int8_dot.h), a GEMM plan candidate for bfloat16 activations.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "amx_gemm.h"
 #include "block_formats.h"
@@ -19,6 +20,7 @@ namespace raylm {
 namespace {
 
 using quant::decode_floats;
+using quant::gemm_rows;
 using quant::kBlock;
 using quant::Q4_0;
 using quant::Q4_1;
@@ -39,15 +41,41 @@ void dequantize_rows(const uint8_t* w, int64_t nblocks, float* out, int64_t n0, 
 inline int64_t grain_rows(int64_t k) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(k, 1)); }
 
 template <class B>
-void gemm_direct_int8(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y) {
+void gemm_direct(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* y) {
   const int64_t nblocks = k / kBlock;
-  const quant::Int8Rows xq = quant::quantize_rows(x, m, k);
+  std::vector<float> xsum(m * nblocks);
+  for (int64_t i = 0; i < m * nblocks; ++i) {
+    float total = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) total += x[i * kBlock + j];
+    xsum[i] = total;
+  }
   at::parallel_for(0, n, grain_rows(k), [&](int64_t n0, int64_t n1) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) quant::gemm_rows_int8<B, 4>(xq, r, w, nblocks, y + r * n, n, n0, n1);
-    for (; r + 2 <= m; r += 2) quant::gemm_rows_int8<B, 2>(xq, r, w, nblocks, y + r * n, n, n0, n1);
-    for (; r < m; ++r) quant::gemm_rows_int8<B, 1>(xq, r, w, nblocks, y + r * n, n, n0, n1);
+    for (; r + 4 <= m; r += 4)
+      gemm_rows<B, 4>(x + r * k, k, xsum.data() + r * nblocks, w, nblocks, y + r * n, n, n0, n1);
+    for (; r + 2 <= m; r += 2)
+      gemm_rows<B, 2>(x + r * k, k, xsum.data() + r * nblocks, w, nblocks, y + r * n, n, n0, n1);
+    for (; r < m; ++r) gemm_rows<B, 1>(x + r * k, k, xsum.data() + r * nblocks, w, nblocks, y + r * n, n, n0, n1);
   });
+}
+
+template <class B>
+torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), nblocks = k / kBlock;
+  TORCH_CHECK(k % kBlock == 0, "in_features ", k, " is not a multiple of the ", kBlock, "-weight block");
+  TORCH_CHECK(w.size(0) == n && w.size(1) == nblocks * B::kBytes, "weight of shape ", w.sizes(), " does not hold ", n,
+              " rows of ", k, " quantized weights");
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  const quant::Int8Rows xq = quant::quantize_rows(x.data_ptr<float>(), m, k);
+  const uint8_t* ws = w.data_ptr<uint8_t>();
+  float* ys = y.data_ptr<float>();
+  at::parallel_for(0, n, grain_rows(k), [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) quant::gemm_rows_int8<B, 4>(xq, r, ws, nblocks, ys + r * n, n, n0, n1);
+    for (; r + 2 <= m; r += 2) quant::gemm_rows_int8<B, 2>(xq, r, ws, nblocks, ys + r * n, n, n0, n1);
+    for (; r < m; ++r) quant::gemm_rows_int8<B, 1>(xq, r, ws, nblocks, ys + r * n, n, n0, n1);
+  });
+  return y;
 }
 
 template <class B>
@@ -76,7 +104,7 @@ torch::Tensor block_gemm_impl(const torch::Tensor& x, const torch::Tensor& w, in
               " does not hold ", n, " rows of ", k, " quantized weights");
   torch::Tensor y = torch::empty({m, n}, x.options());
   if (m <= max_direct_rows) {
-    gemm_direct_int8<B>(x.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, y.data_ptr<float>());
+    gemm_direct<B>(x.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, y.data_ptr<float>());
   } else {
     gemm_tiled<B>(x, w.data_ptr<uint8_t>(), n, y);
   }
@@ -108,8 +136,8 @@ void check(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-// qtype: ggml's type number (2 = Q4_0, 3 = Q4_1, 8 = Q8_0). Batches of up to max_direct_rows rows take the integer
-// dot products on int8 x; larger ones decode tiles of W to float32 for sgemm.
+// qtype: ggml's type number (2 = Q4_0, 3 = Q4_1, 8 = Q8_0). Batches of up to max_direct_rows rows decode each
+// block in registers for all rows; larger ones decode tiles of W to float32 for sgemm.
 torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
                          int64_t max_direct_rows) {
   check(x, w);
@@ -117,6 +145,18 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
     case 2: return block_gemm_impl<Q4_0>(x, w, n, max_direct_rows);
     case 3: return block_gemm_impl<Q4_1>(x, w, n, max_direct_rows);
     case 8: return block_gemm_impl<Q8_0>(x, w, n, max_direct_rows);
+  }
+  TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
+}
+
+// y = x W^T for float32 x [m, k] quantized to int8 per block of 32 (a scale each, as ggml's Q8_0), by integer dot
+// products with W's blocks (int8_dot.h): float32 y [m, n].
+torch::Tensor block_gemm_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n) {
+  check(x, w);
+  switch (qtype) {
+    case 2: return gemm_int8<Q4_0>(x, w, n);
+    case 3: return gemm_int8<Q4_1>(x, w, n);
+    case 8: return gemm_int8<Q8_0>(x, w, n);
   }
   TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
 }
@@ -176,6 +216,7 @@ torch::Tensor block_dequantize(const torch::Tensor& w, const torch::Tensor& rows
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("block_gemm", &raylm::block_gemm, kNoGil);
+  m.def("block_gemm_int8", &raylm::block_gemm_int8, kNoGil);
   // The instruction set the integer kernel was built for: avx512_vnni, avx_vnni, avx2 or portable.
   m.def("int8_path", [] { return std::string(raylm::quant::kInt8Path); });
   m.def("block_dequantize", &raylm::block_dequantize, kNoGil);

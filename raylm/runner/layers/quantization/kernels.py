@@ -1,12 +1,14 @@
 """The matmul on weights kept in ggml block formats: raylm's CPU kernels (`runner/csrc/quant/block_gemm.cpp`), built
 once per machine like the other CPU kernels, or a dequantize-per-call path (plain torch) everywhere else.
 
-On CPU in float32 a batch of up to MAX_DIRECT_ROWS rows is quantized to int8 per block of 32 (a scale per block, as
-llama.cpp does) and meets each block's integers in integer dot products (AVX512-VNNI, AVX-VNNI or AVX2; `int8_dot.h`),
-every block read once for all rows; a larger batch decodes tiles of 256 weight rows to float32 and runs torch's sgemm
-on each. For bfloat16 activations on a CPU with AMX-BF16, `amx_linear` decodes panels of 32 weight rows
+On CPU in float32 a batch of up to MAX_DIRECT_ROWS rows decodes each block of 32 weights in registers, once for all
+rows, and multiplies the integers by x directly; a larger batch decodes tiles of 256 weight rows to float32 and runs
+torch's sgemm on each. For bfloat16 activations on a CPU with AMX-BF16, `amx_linear` decodes panels of 32 weight rows
 to bfloat16 in cache and multiplies them on AMX tiles (a candidate of the GEMM plan beside the block kernel and the
-float kernels on a dequantized copy). torch's own weight-only ops (`_weight_int8pack_mm`,
+float kernels on a dequantized copy). For bfloat16 activations `int8_linear`, llama.cpp's scheme for few rows, is
+another: x quantized to int8 per block of 32 once per call, integer dot products against the blocks' integers
+(AVX512-VNNI, AVX-VNNI or AVX2; `csrc/quant/int8_dot.h`); its rounding is of bfloat16's order, so float32 activations
+keep the exact kernels. torch's own weight-only ops (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) were slower than both on the CPUs measured (scripts/bench_quant_kernels.py), so they
 are not used.
 
@@ -28,8 +30,8 @@ from raylm.runner import cpu_kernels
 from raylm.runner.layers.quantization.ggml_blocks import BlockFormat, dequantize
 
 _SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "quant"
-# Batches of up to this many rows take the integer kernel; larger ones decode tiles for sgemm. On one Sapphire Rapids
-# core (SmolLM2's shapes, Q4_1 and Q8_0) the integer kernel ran 1.7-2x the tiled one at 4 rows and met it at 12-16.
+# Batches of up to this many rows decode blocks in registers; larger ones decode tiles for sgemm. On a 2-core EPYC the
+# direct kernel ran 1.2-2x the tiled one up to 8 rows, the two met at 12-16, and tiles won from 32.
 MAX_DIRECT_ROWS = 12
 
 
@@ -67,6 +69,25 @@ def amx_kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | No
     return ops if ops is not None and ops.amx_available() else None
 
 
+def int8_kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The kernels where their integer path runs activations of `dtype` on `device`: bfloat16 on CPU (float32
+    activations keep exact products), built, custom ops on."""
+    if not cpu_kernels.is_enabled() or device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    return load()
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None,
+                ops: ModuleType) -> torch.Tensor:
+    """y = x W^T (+ bias) with x quantized to int8 per block (int8_activations) against W's blocks in integer dot
+    products, summed in float32; y in x's dtype."""
+    x2d = x.reshape(-1, x.shape[-1]).float().contiguous()
+    y = ops.block_gemm_int8(x2d, packed, fmt.ggml_type, packed.shape[0])
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], packed.shape[0])
+
+
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None,
                ops: ModuleType) -> torch.Tensor:
     """y = x W^T (+ bias) for bfloat16 x on AMX tiles: each panel of W's blocks decoded to bfloat16 in cache, the
@@ -84,6 +105,15 @@ def _triton_gemm() -> ModuleType | None:
     except ImportError:
         return None
     return triton_block_gemm
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] as int8_linear multiplies it, in float64: quantized per block of 32 as ggml's Q8_0 (scale d =
+    max |x| / 127, q = round(x / d) half to even, in float32), times its scale. The reference its tests check."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks * torch.where(d > 0, 1 / d, 0))
+    return (q.double() * d.double()).reshape(x.shape)
 
 
 _UNSET = object()
