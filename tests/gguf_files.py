@@ -22,7 +22,7 @@ ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCa
          "Phi3ForCausalLM": "phi3", **MOE_ARCHS}
 PRE_TOKENIZERS = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "gemma2": "llama-bpe",
                   "gemma3": "llama-bpe", "phi3": "llama-bpe", "qwen3moe": "qwen2", "deepseek2": "llama-bpe",
-                  "gpt-oss": "llama-bpe"}
+                  "gpt-oss": "gpt-4o"}
 
 
 def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, GptOssConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV2Config, DeepseekV3Config, GptOssConfig
+from transformers.integrations.gguf.gguf_tokenizer_mapping import set_split_regex
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.cluster.models.tiny_tokenizer import build_tokenizer
-from raylm.configs.gguf_metadata import read_gguf_config
+from raylm.configs.gguf_metadata import gguf_tokenizer, read_gguf_config
 from raylm.runner.layers.fused_moe import FusedMoE
 from tests.gguf_files import write_gguf
 from tests.reference import TOP_K, check_logprobs_close, hf_greedy
@@ -218,3 +219,17 @@ def test_tp2_with_expert_parallel_on_ray(checkpoints: dict[str, Path], tmp_path:
     assert experts == [(2, 0), (2, 2)]
     assert check_logprobs_close(expected, ours, path.name) <= 1
     assert _chosen_logprob_error(expected, ours) < 2e-2
+
+
+def test_gpt_oss_tokenizer_from_metadata(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """GPT-OSS's files name o200k's pre-tokenizer (`gpt-4o`): raylm encodes text as the checkpoint's tokenizer does
+    with transformers' GGUF split for `gpt-4o` in place of its own (capitals kept with their word, contractions,
+    digits in threes). transformers' GGUF loader itself cannot read a gpt-oss file's config."""
+    path = write_gguf(checkpoints["gpt_oss"], tmp_path / "gpt-oss.gguf", Q.F32, Q.F32)
+    theirs = set_split_regex(AutoTokenizer.from_pretrained(checkpoints["gpt_oss"]), {"pre_tokenizer_type": "gpt-4o"})
+    ours = gguf_tokenizer(path)
+    for text in ("CamelCase HTTPServer don't WE'LL", "12345 x/y\n\n  end", "Hello, world! It's 2026."):
+        # The split itself: the tiny vocabulary has no merge across the boundaries where the splits differ.
+        split = ours.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+        assert split == theirs.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text), text
+        assert ours.encode(text) == theirs.encode(text), text
