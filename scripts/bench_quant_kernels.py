@@ -1,22 +1,26 @@
 """Weight-only quantized matmul kernels on CPU, side by side on one model's weight shapes: float32 F.linear, torch's own
 weight-only ops (`_weight_int8pack_mm`: int8, one scale per output channel; `_weight_int4pack_mm_for_cpu`: 4-bit
-groups of 32 with a scale and a zero, fed float32 or bfloat16 activations), raylm's block kernels (Q8_0, Q4_1), its AMX
-kernel where the CPU has AMX-BF16 (bfloat16 activations, panels of blocks decoded to bfloat16 in cache) and
+groups of 32 with a scale and a zero, fed float32 or bfloat16 activations), raylm's block kernels (Q8_0, Q4_1), its
+kernel on int8 activations (`int8`: bfloat16 x quantized to int8 per block, integer dot products; llama.cpp's few-row
+scheme), its AMX kernel where the CPU has AMX-BF16 (bfloat16 activations, panels of blocks decoded to bfloat16 in cache)
+and
 the float kernels a quantized layer's GEMM plan weighs against them (runner/layers/cpu_gemm.py): sgemm, oneDNN and the
 skinny kernel on a dequantized copy, float32 for float32 activations, bfloat16 for bfloat16 ones (`dtype: auto` for a
 quantized model on a CPU with bfloat16 dot products), where the block kernel takes x upcast and rounds its result.
 A summary follows: per batch, each quantized layer against float32 (best of sgemm, oneDNN, skinny): the block kernel
 alone (raylm before its plan took quantized layers), planned in float32 (the faster of the block kernel and float32's
 kernels on a float32 copy) and planned in bfloat16 (the fastest of the block kernel, the AMX kernel and bfloat16's on
-a bfloat16 copy).
+a bfloat16 copy), without and with the int8 kernel.
 
 Each kernel cycles through enough copies of its weights to overflow the CPU caches (as a decode step streams every
 layer's weights from memory), the kernels' calls interleave, and each figure is the median of the rounds, or with
 `--best` the fastest round (as the plan itself times: on a machine shared with other work, a round that lost its core
-to a neighbour is noise, not the kernel). torch's int4
+to a neighbour is noise, not the kernel). With `--cpu-time` each call runs on one thread and counts its CPU time
+(time.thread_time): a call that lost its core to a neighbour does not count the wait. torch's int4
 op runs Q4_1's exact numbers (zero = m + 8 d); its int8 op needs per-channel scales, so it gets its own quantization.
 
     python scripts/bench_quant_kernels.py [--shapes smollm2|100m] [--rows 1 8 32 64] [--rounds 15] [--no-torch]
+        [--best] [--cpu-time]
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ def kernels_for_shape(n: int, k: int, copies: int,
     """name -> call(x in float32, the same x in bfloat16, copy index), each checked against its
     dequantize-then-matmul on one input first. Names starting "bf16" take bfloat16 activations and give bfloat16."""
     floats = [torch.randn(n, k) * 0.05 for _ in range(copies)]
-    ops = cpu_kernels.load()
+    ops, quant_ops = cpu_kernels.load(), kernels.load()
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in floats]
     skinny = [ops.pack_skinny(w) for w in floats]
     bf16 = [w.bfloat16() for w in floats]
@@ -91,6 +95,8 @@ def kernels_for_shape(n: int, k: int, copies: int,
         # The block kernels as a bfloat16 model's plan calls them (block_quant: x upcast, the result rounded).
         "bf16 raylm Q8_0": lambda x, xb, i: kernels.block_linear(xb.float(), q8[i], Q8_0, None).bfloat16(),
         "bf16 raylm Q4_1": lambda x, xb, i: kernels.block_linear(xb.float(), q4[i], Q4_1, None).bfloat16(),
+        "bf16 int8 Q8_0": lambda x, xb, i: kernels.int8_linear(xb, q8[i], Q8_0, None, quant_ops),
+        "bf16 int8 Q4_1": lambda x, xb, i: kernels.int8_linear(xb, q4[i], Q4_1, None, quant_ops),
     }
     amx = kernels.amx_kernels_for(torch.device("cpu"), torch.bfloat16)
     if amx is not None:  # AMX tiles over panels decoded to bfloat16 (csrc/quant/amx_gemm.h)
@@ -100,17 +106,19 @@ def kernels_for_shape(n: int, k: int, copies: int,
         calls = {name: call for name, call in calls.items() if "torch" not in name}
     references = {"torch int8": int8[0].float() * scales[0][:, None], "raylm Q8_0": dequantize(q8[0], Q8_0),
                   "bf16 raylm Q8_0": dequantize(q8[0], Q8_0), "bf16 amx Q8_0": dequantize(q8[0], Q8_0)}
+    references["bf16 int8 Q8_0"] = dequantize(q8[0], Q8_0)
     x = torch.randn(3, k)
     for name, call in calls.items():
         tolerance = 5e-2 if "bf16" in name else 1e-3
         reference = references.get(name, dequantize(q4[0], Q4_1) if "int4" in name or "Q4_1" in name else floats[0])
-        torch.testing.assert_close(call(x, x.bfloat16(), 0).float(), x @ reference.T, rtol=tolerance,
+        x_seen = kernels.int8_activations(x.bfloat16()).float() if name.startswith("bf16 int8") else x
+        torch.testing.assert_close(call(x, x.bfloat16(), 0).float(), x_seen @ reference.T, rtol=tolerance,
                                    atol=tolerance)
     return calls
 
 
 def bench(shapes: list[tuple[str, int, int, int]], rows: list[int], rounds: int, with_torch: bool,
-          best_round: bool) -> None:
+          best_round: bool, clock: Callable[[], float]) -> None:
     header = ["layer", "rows"]
     results: list[list[str]] = []
     summed: dict[int, dict[str, float]] = {}
@@ -128,9 +136,9 @@ def bench(shapes: list[tuple[str, int, int, int]], rows: list[int], rounds: int,
                         call(x, xb, i)
             for r in range(rounds):
                 for name, call in calls.items():
-                    start = time.perf_counter()
+                    start = clock()
                     call(x, xb, r % copies)
-                    times[name].append(time.perf_counter() - start)
+                    times[name].append(clock() - start)
             medians = {name: (min(t) if best_round else statistics.median(t)) * 1e6 for name, t in times.items()}
             best = min(medians, key=medians.__getitem__)
             results.append([f"{layer} {n}x{k}", str(m), *[f"{medians[name]:.0f}" for name in calls], best])
@@ -142,8 +150,11 @@ def bench(shapes: list[tuple[str, int, int, int]], rows: list[int], rounds: int,
             for method, fmt in (("int8", "Q8_0"), ("int4", "Q8_0" if layer == "lm_head" else "Q4_1")):
                 medians[f"{method} blocks"] = medians[f"raylm {fmt}"]
                 medians[f"{method} planned"] = min(medians[f"raylm {fmt}"], medians["float32 best"])
-                medians[f"{method} planned bf16"] = min(medians[f"bf16 raylm {fmt}"], bf16_best,
-                                                        medians.get(f"bf16 amx {fmt}", float("inf")))
+                medians[f"{method} planned bf16 no int8"] = min(medians[f"bf16 raylm {fmt}"], bf16_best,
+                                                                medians.get(f"bf16 amx {fmt}", float("inf")))
+                medians[f"{method} int8"] = medians[f"bf16 int8 {fmt}"]
+                medians[f"{method} planned bf16"] = min(medians[f"{method} planned bf16 no int8"],
+                                                        medians[f"{method} int8"])
             summed.setdefault(m, {name: 0.0 for name in medians})
             for name, value in medians.items():
                 summed[m][name] += value * count
@@ -157,10 +168,14 @@ def bench(shapes: list[tuple[str, int, int, int]], rows: list[int], rounds: int,
 def summary(summed: dict[int, dict[str, float]]) -> None:
     """Per batch, one forward's linears summed (each shape times its layers in the model): float32's best kernel,
     and each method's speed against it (int8: Q8_0; int4 and the default GGUF: Q4_1, the LM head Q8_0): the block
-    kernel alone, planned in float32 and planned in bfloat16."""
-    columns = ["int8 blocks", "int4 blocks", "int8 planned", "int4 planned", "int8 planned bf16", "int4 planned bf16"]
+    kernel alone, planned in float32, the int8-activation kernel alone (bfloat16 x) and planned in bfloat16 without and
+    with it."""
+    columns = ["int8 blocks", "int4 blocks", "int8 planned", "int4 planned", "int8 int8", "int4 int8",
+               "int8 planned bf16 no int8", "int4 planned bf16 no int8", "int8 planned bf16", "int4 planned bf16"]
     print("\n| rows | float32 best (ms) | int8 blocks | int4 blocks | int8 planned, float32 | int4 planned, float32 "
-          "| int8 planned, bfloat16 | int4 planned, bfloat16 |\n|---|---|---|---|---|---|---|---|")
+          "| int8 on int8 x | int4 on int8 x | int8 planned, bfloat16, without int8 x "
+          "| int4 planned, bfloat16, without int8 x | int8 planned, bfloat16 | int4 planned, bfloat16 |")
+    print("|" + "---|" * (2 + len(columns)))
     for m, t in summed.items():
         best = t["float32 best"]
         print(f"| {m} | {best / 1e3:.1f} | " + " | ".join(f"{best / t[name]:.2f}x" for name in columns) + " |")
@@ -173,14 +188,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no-torch", action="store_true", help="leave out torch's own weight-only ops")
     parser.add_argument("--best", action="store_true", help="the fastest round of each kernel, not the median")
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, each call's CPU time (time.thread_time)")
     args = parser.parse_args()
+    if args.cpu_time:
+        torch.set_num_threads(1)
     assert kernels.load() is not None, "raylm's quantized kernels did not build"
     before = machine_line()
     print(before, file=sys.stderr)
-    bench(SHAPES[args.shapes], args.rows, args.rounds, not args.no_torch, args.best)
+    bench(SHAPES[args.shapes], args.rows, args.rounds, not args.no_torch, args.best,
+          time.thread_time if args.cpu_time else time.perf_counter)
     statistic = "best" if args.best else "median"
-    print(f"\n{torch.get_num_threads()} threads, {statistic} of {args.rounds} interleaved calls, weights streamed "
-          f"from memory (copies past the caches)\nbefore: {before}\nafter:  {machine_line()}")
+    clock = "CPU time" if args.cpu_time else "wall time"
+    print(f"\n{torch.get_num_threads()} threads, {statistic} of {args.rounds} interleaved calls ({clock}), weights "
+          f"streamed from memory (copies past the caches)\nbefore: {before}\nafter:  {machine_line()}")
 
 
 if __name__ == "__main__":
