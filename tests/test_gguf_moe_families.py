@@ -23,8 +23,11 @@ from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.cluster.models.tiny_tokenizer import build_tokenizer
 from raylm.configs.gguf_metadata import gguf_tokenizer, read_gguf_config
 from raylm.runner.layers.fused_moe import FusedMoE
+from raylm.runner.models.gguf_weights import iterate_gguf_weights
+from raylm.runner.models.loader import load_model
 from tests.gguf_files import write_gguf
 from tests.reference import TOP_K, check_logprobs_close, hf_greedy
+from tests.runner_steps import model_parallel_of_one  # noqa: F401 (fixture)
 
 Q = gguf.GGMLQuantizationType
 MAX_POSITION = 128
@@ -197,6 +200,24 @@ def test_deepseek_file_from_before_the_kv_b_split(checkpoints: dict[str, Path], 
     ours_result = _raylm(path)
     assert check_logprobs_close(expected, ours_result, path.name) <= 1
     assert _chosen_logprob_error(expected, ours_result) < 2e-2
+
+
+@pytest.mark.usefixtures("model_parallel_of_one")
+def test_pipeline_stages_load_their_layers(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """Each of PP=2's stages reads only its own layers' tensors from a DeepSeek file (the first dense, the second with
+    experts and a split kv_b), each equal to the one-stage model's."""
+    path = write_gguf(checkpoints["deepseek_v3"], tmp_path / "deepseek.gguf", Q.F32, Q.F32)
+    config = read_gguf_config(path)
+    whole = dict(load_model(path, config).named_parameters())
+    for rank in (0, 1):
+        stage = dict(load_model(path, config, pp_rank=rank, pp_size=2).named_parameters())
+        assert {name.split(".")[2] for name in stage if name.startswith("model.layers.")} == {str(rank)}
+        for name, param in stage.items():
+            assert torch.equal(param, whole[name]), name
+        other = f"model.layers.{1 - rank}."
+        read = [name for name, _ in iterate_gguf_weights(path, config,
+                                                         skip=lambda name, prefix=other: name.startswith(prefix))]
+        assert read and not any(name.startswith(other) for name in read)
 
 
 def test_tp2_with_expert_parallel_on_ray(checkpoints: dict[str, Path], tmp_path: Path, ray_cluster: None) -> None:
