@@ -28,7 +28,8 @@ case "${1:-}" in
     start=$SECONDS
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/nvidia-smi.txt"
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph.py tests/test_gpu_no_sync.py \
-      tests/test_attention_flash.py tests/test_attention_triton.py tests/test_triton_block_gemm.py 2>&1 \
+      tests/test_attention_flash.py tests/test_attention_triton.py tests/test_triton_block_gemm.py \
+      tests/test_hybrid_kv.py 2>&1 \
       | tee "$out/pytest-gpu.log"
     tests=${PIPESTATUS[0]}
     timeout 330 python3 scripts/gpu_check.py --budget-s 270 --output-json "$out/gpu_check.json" "${@:2}" 2>&1 \

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.core.kv_cache_manager import KVCacheManager
@@ -173,6 +174,44 @@ def test_gpt_oss_alternating_layers(tmp_path: Path) -> None:
     tokens, most_sliding, _ = run_stepwise(llm, [PROMPTS[2]])
     llm.shutdown()
     assert tokens == [expected] and most_sliding <= decode_bound(16)
+
+
+def test_sliding_group_under_decode_graphs(gemma3: Path, reference: list[list[int]]) -> None:
+    """The decode graphs' body (what a CUDA graph captures, run eagerly here: EagerGraphs) reads the sliding layers'
+    own block table, slots and scratch block from the runner's persistent buffers: the tokens are transformers' while
+    the sliding layers hold only their window's blocks, and the decode steps took the replay path."""
+    from tests.test_batch_padding import EagerGraphs
+
+    llm = LLM(model=str(gemma3), **ENGINE, attention_backend="torch", cudagraph_capture_sizes=[1, 2])
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    assert runner.graphs.sliding_scratch_slot == sliding_group(llm).block_pool.num_blocks * BLOCK
+    graphs = EagerGraphs(runner)
+    runner.graphs.runner = graphs
+    tokens, most_sliding, most_global = run_stepwise(llm, PROMPTS)
+    llm.shutdown()
+    assert tokens == reference
+    assert 0 < most_sliding <= decode_bound(BLOCK) < most_global
+    assert len(graphs.replayed) > MAX_TOKENS  # the decode steps of the three requests
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sliding_group_in_captured_graphs(gemma3: Path, backend: str) -> None:
+    """On CUDA (graphs on by default) the sliding group splits, the decode steps replay captured graphs, and the
+    tokens equal an eager engine's while the sliding layers hold only their window's blocks."""
+    settings = dict(ENGINE, attention_backend=backend, dtype="float32")
+    eager = LLM(model=str(gemma3), **settings, enforce_eager=True)
+    expected, _, _ = run_stepwise(eager, PROMPTS)
+    eager.shutdown()
+    llm = LLM(model=str(gemma3), **settings)
+    graphs = llm.llm_engine.engine_core.executor.worker.model_runner.graphs
+    tokens, most_sliding, most_global = run_stepwise(llm, PROMPTS)
+    replayed = sum(graphs.report()["replayed"].values())
+    llm.shutdown()
+    assert tokens == expected
+    assert 0 < most_sliding <= decode_bound(BLOCK) < most_global
+    assert replayed > MAX_TOKENS
 
 
 def test_one_group_where_paths_need_one(gemma3: Path) -> None:

@@ -23,9 +23,6 @@ class KVCacheGroups:
 def why_one_group(config: EngineConfig) -> str:
     """Why every layer shares one block table (""when groups may split): the paths that address a request's KV by
     one block table do not know groups yet."""
-    resolved = config.resolved
-    if resolved.cudagraph.mode != "NONE":
-        return "CUDA graphs (their decode buffers hold one block table)"
     if config.parallel_config.enable_dbo:
         return "dual-batch overlap (its micro-batches slice one block table)"
     if config.kv_transfer_config.kv_connector is not None:

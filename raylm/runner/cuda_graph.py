@@ -65,6 +65,8 @@ class DecodeGraphs:
         self.dispatcher, self.attn_backend, self.buffers, self.device = dispatcher, attn_backend, buffers, device
         self.runner: CUDAGraphRunner | None = None
         self.scratch_slot = -1  # the KV cache's extra slot that padded decode rows write to inside a graph
+        # The sliding layers' own extra slot where the KV cache splits in two groups (configs/kv_cache_groups.py).
+        self.sliding_scratch_slot = -1
 
     @property
     def enabled(self) -> bool:
@@ -90,12 +92,14 @@ class DecodeGraphs:
         return (descriptor.cudagraph_mode == CUDAGraphMode.FULL and self.runner is not None
                 and not descriptor.should_ubatch)
 
-    def can_replay(self, descriptor: BatchDescriptor, common: CommonAttentionMetadata, kv_cache: torch.Tensor) -> bool:
-        """A graph of the batch's padded size exists and its fixed buffers hold the batch's keys."""
+    def can_replay(self, descriptor: BatchDescriptor, common: CommonAttentionMetadata,
+                   kv_caches: list[torch.Tensor]) -> bool:
+        """A graph of the batch's padded size exists and its fixed buffers hold the batch's keys in every KV cache
+        group (`kv_caches`: one layer's cache of each)."""
         n = descriptor.num_tokens_padded
         return (self.should_replay(descriptor) and self.runner is not None and self.runner.has(n)
-                and self.attn_backend.decode_graph_fits(common.seq_lens_cpu, n, kv_cache,
-                                                        self.buffers.max_blocks_per_req))
+                and all(self.attn_backend.decode_graph_fits(common.seq_lens_cpu, n, kv_cache,
+                                                            self.buffers.max_blocks_per_req) for kv_cache in kv_caches))
 
     def replay(self, num_reqs: int, n: int) -> torch.Tensor:
         assert self.runner is not None
@@ -117,7 +121,10 @@ class DecodeGraphs:
         """A uniform decode forward of n (padded) requests whose attention reads only the persistent buffers: what
         capture records. Rows past the batch's requests are padded by InputBuffers.pad_decode_requests."""
         metadata = self.attn_backend.build_decode_graph(self.buffers.decode_graph_buffers(n, self.scratch_slot))
-        with set_forward_context(metadata, n, BatchDescriptor(n, n, n, True, CUDAGraphMode.FULL)):
+        sliding = None if self.sliding_scratch_slot < 0 else self.attn_backend.build_decode_graph(
+            self.buffers.decode_graph_buffers(n, self.sliding_scratch_slot, sliding=True))
+        descriptor = BatchDescriptor(n, n, n, True, CUDAGraphMode.FULL)
+        with set_forward_context(metadata, n, descriptor, sliding_attn_metadata=sliding):
             output = model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n], None)
         assert isinstance(output, torch.Tensor)
         return output

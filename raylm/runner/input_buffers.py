@@ -176,10 +176,13 @@ class InputBuffers:
         self.seq_lens.gpu[num_reqs:n].fill_(1)
         self.query_start_loc.gpu[num_reqs + 1 : n + 1].copy_(self._arange_gpu[num_reqs + 1 : n + 1])
 
-    def decode_graph_buffers(self, n: int, scratch_slot: int) -> DecodeGraphBuffers:
-        """The first n rows as a uniform decode batch read at fixed addresses (what a captured graph replays on)."""
-        return DecodeGraphBuffers(self.slot_mapping.gpu[:n], self.seq_lens.gpu[:n], self.query_start_loc.gpu[:n + 1],
-                                  self.block_table[:n], scratch_slot)
+    def decode_graph_buffers(self, n: int, scratch_slot: int, sliding: bool = False) -> DecodeGraphBuffers:
+        """The first n rows as a uniform decode batch read at fixed addresses (what a captured graph replays on);
+        `sliding`: the sliding group's slots and block table (configs/kv_cache_groups.py)."""
+        slot_mapping = self.sliding_slot_mapping if sliding else self.slot_mapping
+        block_table = self.sliding_block_table if sliding else self.block_table
+        return DecodeGraphBuffers(slot_mapping.gpu[:n], self.seq_lens.gpu[:n], self.query_start_loc.gpu[:n + 1],
+                                  block_table[:n], scratch_slot)
 
     def prepare_profile(self, num_tokens: int, max_model_len: int) -> CommonAttentionMetadata:
         """The profile run's batch (runner/profile_run.py): requests of min(num_tokens, max_model_len) query tokens

@@ -115,6 +115,7 @@ class ModelRunner:
         self.sleep_mode: SleepMode | None = None  # once the KV cache exists
         self.lora_manager: LoRAManager | None = None  # with enable_lora, once the model is loaded
         self.kv_caches: list[torch.Tensor] = []
+        self.group_kv_caches: list[torch.Tensor] = []  # one layer's cache of each KV cache group
         self.kv_connector: KVConnectorBase | None = None  # the worker side of a kv_connector, once the cache exists
         self.execute_model_state: ExecuteModelState | None = None
         self.spec_decoder = (None if config.speculative_config is None else
@@ -166,15 +167,18 @@ class ModelRunner:
         assert self.model is not None and self.graphs is not None, "load_model first"
         # One block past the scheduler's: inside a graph, padded rows write there (no per-row branch is possible).
         extra = 1 if self.graphs.enabled else 0
-        self.graphs.scratch_slot = num_blocks * self.block_size if extra else -1
-        self.kv_caches = []
         groups = kv_cache_groups(self.config, num_blocks)  # the scheduler splits the pool the same way
+        global_blocks = num_blocks if groups is None else groups.num_blocks
+        self.graphs.scratch_slot = global_blocks * self.block_size if extra else -1
+        self.graphs.sliding_scratch_slot = groups.num_sliding_blocks * self.block_size if extra and groups else -1
+        self.kv_caches = []
         for layer in self.kv_cache_layers():
-            layer_blocks = num_blocks if groups is None else (
-                groups.num_sliding_blocks if layer.sliding_window is not None else groups.num_blocks)
+            sliding = groups is not None and layer.sliding_window is not None
+            layer_blocks = groups.num_sliding_blocks if groups is not None and sliding else global_blocks
             shape = kv_cache_shape(layer, self.attn_backend, layer_blocks + extra, self.block_size)
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append(layer.kv_cache)
+        self.group_kv_caches = list({cache.shape: cache for cache in self.kv_caches}.values())
         self.kv_connector = create_worker_connector(
             self.config, {layer.layer_idx: layer.kv_cache for layer in self.attention_layers()})
         model = self.model
@@ -307,7 +311,7 @@ class ModelRunner:
             log_batch_execution(descriptor, ubatch_slices)
         # The profile run has no KV cache yet, and no graph can have been captured before it.
         replay = common is not None and bool(self.kv_caches) and graphs.can_replay(descriptor, common,
-                                                                                    self.kv_caches[0])
+                                                                                    self.group_kv_caches)
         if self.forward_log is not None:
             self.forward_log.record(descriptor, common is not None and graphs.should_replay(descriptor), replay)
         if ubatch_slices is not None:
