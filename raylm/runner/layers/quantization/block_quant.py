@@ -139,7 +139,10 @@ class BlockQuantMethod(QuantizeMethodBase):
             return _FLOAT.kernel_name(layer)
         if layer.block_matmul is not None:  # its block kernels, without a float copy: plan_linears times them
             return "planned"
-        return f"{fmt.name} blocks" + ("" if layer.block_kernels is not None else " (dequantized per call)")
+        if layer.block_kernels is not None:
+            return f"{fmt.name} blocks"
+        triton = kernels.triton_gemm_for(layer.weight.device, layer.params_dtype) is not None
+        return f"{fmt.name} blocks ({'Triton' if triton else 'dequantized per call'})"
 
 
 class BlockQuantConfig(QuantizationConfig):

@@ -107,6 +107,15 @@ def _triton_gemm() -> ModuleType | None:
     return triton_block_gemm
 
 
+def triton_gemm_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The Triton block kernel where it runs activations of `dtype` on `device` (CUDA, triton installed, custom ops
+    on), else None."""
+    if device.type != "cuda" or not cpu_kernels.is_enabled():
+        return None
+    gemm = _triton_gemm()
+    return gemm if gemm is not None and dtype in gemm.DTYPES else None
+
+
 def int8_activations(x: torch.Tensor) -> torch.Tensor:
     """x [m, k] as int8_linear multiplies it, in float64: quantized per block of 32 as ggml's Q8_0 (scale d =
     max |x| / 127, q = round(x / d) half to even, in float32), times its scale. The reference its tests check."""
@@ -126,8 +135,8 @@ def block_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: 
     if ops is _UNSET:
         ops = kernels_for(x.device, x.dtype)
     if ops is None:
-        gemm = _triton_gemm() if x.is_cuda and cpu_kernels.is_enabled() else None
-        if gemm is not None and x.dtype in gemm.DTYPES:
+        gemm = triton_gemm_for(x.device, x.dtype)
+        if gemm is not None:
             return gemm.block_linear(x, packed, fmt, bias)
         return F.linear(x, dequantize(packed, fmt).to(x.dtype), bias)
     x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
