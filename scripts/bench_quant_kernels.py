@@ -72,11 +72,13 @@ def kernels_for_shape(n: int, k: int, copies: int,
     bf16 = [w.bfloat16() for w in floats]
     onednn_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in bf16]
     skinny_bf16 = [ops.pack_skinny(w) for w in bf16]
-    q8 = [quantize(w, Q8_0) for w in floats]
-    q4 = [quantize(w, Q4_1) for w in floats]
+    # Each block kernel reads copies of its own: one run after another on the same copy would find it in cache.
+    q8, q4 = {}, {}
+    for kernel in ("f32", "bf16", "int8", "amx"):
+        q8[kernel], q4[kernel] = [quantize(w, Q8_0) for w in floats], [quantize(w, Q4_1) for w in floats]
     scales = [w.abs().amax(1) / 127 for w in floats]
     int8 = [torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8) for w, s in zip(floats, scales)]
-    int4 = [_torch_int4(p, n, k) for p in q4]
+    int4 = [_torch_int4(p, n, k) for p in q4["f32"]]
     int4_bf16 = [(p, sz.bfloat16()) for p, sz in int4]
     Call = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     calls: dict[str, Call] = {
@@ -90,27 +92,28 @@ def kernels_for_shape(n: int, k: int, copies: int,
         "torch int4": lambda x, xb, i: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4[i][0], 32, int4[i][1]),
         "torch int4 bf16": lambda x, xb, i: torch.ops.aten._weight_int4pack_mm_for_cpu(
             xb, int4_bf16[i][0], 32, int4_bf16[i][1]),
-        "raylm Q8_0": lambda x, xb, i: kernels.block_linear(x, q8[i], Q8_0, None),
-        "raylm Q4_1": lambda x, xb, i: kernels.block_linear(x, q4[i], Q4_1, None),
+        "raylm Q8_0": lambda x, xb, i: kernels.block_linear(x, q8["f32"][i], Q8_0, None),
+        "raylm Q4_1": lambda x, xb, i: kernels.block_linear(x, q4["f32"][i], Q4_1, None),
         # The block kernels as a bfloat16 model's plan calls them (block_quant: x upcast, the result rounded).
-        "bf16 raylm Q8_0": lambda x, xb, i: kernels.block_linear(xb.float(), q8[i], Q8_0, None).bfloat16(),
-        "bf16 raylm Q4_1": lambda x, xb, i: kernels.block_linear(xb.float(), q4[i], Q4_1, None).bfloat16(),
-        "bf16 int8 Q8_0": lambda x, xb, i: kernels.int8_linear(xb, q8[i], Q8_0, None, quant_ops),
-        "bf16 int8 Q4_1": lambda x, xb, i: kernels.int8_linear(xb, q4[i], Q4_1, None, quant_ops),
+        "bf16 raylm Q8_0": lambda x, xb, i: kernels.block_linear(xb.float(), q8["bf16"][i], Q8_0, None).bfloat16(),
+        "bf16 raylm Q4_1": lambda x, xb, i: kernels.block_linear(xb.float(), q4["bf16"][i], Q4_1, None).bfloat16(),
+        "bf16 int8 Q8_0": lambda x, xb, i: kernels.int8_linear(xb, q8["int8"][i], Q8_0, None, quant_ops),
+        "bf16 int8 Q4_1": lambda x, xb, i: kernels.int8_linear(xb, q4["int8"][i], Q4_1, None, quant_ops),
     }
     amx = kernels.amx_kernels_for(torch.device("cpu"), torch.bfloat16)
     if amx is not None:  # AMX tiles over panels decoded to bfloat16 (csrc/quant/amx_gemm.h)
-        calls["bf16 amx Q8_0"] = lambda x, xb, i: kernels.amx_linear(xb, q8[i], Q8_0, None, amx)
-        calls["bf16 amx Q4_1"] = lambda x, xb, i: kernels.amx_linear(xb, q4[i], Q4_1, None, amx)
+        calls["bf16 amx Q8_0"] = lambda x, xb, i: kernels.amx_linear(xb, q8["amx"][i], Q8_0, None, amx)
+        calls["bf16 amx Q4_1"] = lambda x, xb, i: kernels.amx_linear(xb, q4["amx"][i], Q4_1, None, amx)
     if not with_torch:
         calls = {name: call for name, call in calls.items() if "torch" not in name}
-    references = {"torch int8": int8[0].float() * scales[0][:, None], "raylm Q8_0": dequantize(q8[0], Q8_0),
-                  "bf16 raylm Q8_0": dequantize(q8[0], Q8_0), "bf16 amx Q8_0": dequantize(q8[0], Q8_0)}
-    references["bf16 int8 Q8_0"] = dequantize(q8[0], Q8_0)
+    q8_0 = dequantize(q8["f32"][0], Q8_0)
+    references = {"torch int8": int8[0].float() * scales[0][:, None], "raylm Q8_0": q8_0, "bf16 raylm Q8_0": q8_0,
+                  "bf16 amx Q8_0": q8_0, "bf16 int8 Q8_0": q8_0}
     x = torch.randn(3, k)
     for name, call in calls.items():
         tolerance = 5e-2 if "bf16" in name else 1e-3
-        reference = references.get(name, dequantize(q4[0], Q4_1) if "int4" in name or "Q4_1" in name else floats[0])
+        q4_1 = "int4" in name or "Q4_1" in name
+        reference = references.get(name, dequantize(q4["f32"][0], Q4_1) if q4_1 else floats[0])
         x_seen = kernels.int8_activations(x.bfloat16()).float() if name.startswith("bf16 int8") else x
         torch.testing.assert_close(call(x, x.bfloat16(), 0).float(), x_seen @ reference.T, rtol=tolerance,
                                    atol=tolerance)
