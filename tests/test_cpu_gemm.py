@@ -1,4 +1,4 @@
-"""CPU linear kernels chosen per weight shape and row count by timing (runner/layers/cpu_gemm.py)."""
+"""CPU linear kernels chosen per weight shape and row count by timing (runner/layers/cpu_gemm.py, gemm_plans.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from raylm.runner import cpu_kernels
-from raylm.runner.layers import cpu_gemm
-from raylm.runner.layers.cpu_gemm import FLOAT_KERNELS, ROW_BUCKETS, CpuGemmMixin, GemmPlan, plan_linears
+from raylm.runner.layers import cpu_gemm, gemm_plans
+from raylm.runner.layers.cpu_gemm import FLOAT_KERNELS, ROW_BUCKETS, CpuGemmMixin, GemmPlan
+from raylm.runner.layers.gemm_plans import plan_linears
 from raylm.runner.layers.linear import LinearBase
 from raylm.runner.models.loader import load_model
 from raylm.runner.parallel_state import destroy_model_parallel, init_model_parallel
@@ -46,14 +47,14 @@ def test_rows_map_to_the_first_bucket_at_or_above() -> None:
 def test_every_linear_gets_its_shape_plan_from_one_timing(llama_path: Path, gemm_cache: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     timed: list[tuple[int, ...]] = []
-    real_time_kernels = cpu_gemm.time_kernels
+    real_time_kernels = gemm_plans.time_kernels
 
     def counting(layers: list[CpuGemmMixin]) -> tuple[GemmPlan, dict[str, list[float]]]:
         assert len({tuple(layer.weight.shape) for layer in layers}) == 1, "one shape's layers per timing"
         timed.append(tuple(layers[0].weight.shape))
         return real_time_kernels(layers)
 
-    monkeypatch.setattr(cpu_gemm, "time_kernels", counting)
+    monkeypatch.setattr(gemm_plans, "time_kernels", counting)
     model = load_model(llama_path, AutoConfig.from_pretrained(llama_path))
     layers = [m for m in model.modules() if isinstance(m, CpuGemmMixin)]
     shapes = {tuple(m.weight.shape) for m in layers}
@@ -143,18 +144,18 @@ def test_skinny_is_timed_only_with_the_cpu_kernels(gemm_cache: Path, dtype: torc
         layer.process_weights_after_loading()
     cpu_kernels.set_enabled(False)
     try:
-        plan, figures = cpu_gemm.time_kernels(layers)
+        plan, figures = gemm_plans.time_kernels(layers)
     finally:
         cpu_kernels.set_enabled(True)
     assert "skinny" not in plan.kernels and "skinny" not in figures
     if cpu_kernels.load() is not None:
-        plan, figures = cpu_gemm.time_kernels(layers)
+        plan, figures = gemm_plans.time_kernels(layers)
         assert len(figures["skinny"]) == ROW_BUCKETS.index(128) + 1
 
 
 def test_a_shape_whose_plan_never_uses_onednn_drops_its_packed_copy(gemm_cache: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_gemm, "time_kernels", lambda layers: (GemmPlan(("sgemm",) * len(ROW_BUCKETS)), {}))
+    monkeypatch.setattr(gemm_plans, "time_kernels", lambda layers: (GemmPlan(("sgemm",) * len(ROW_BUCKETS)), {}))
     model = torch.nn.Sequential(LinearBase(32, 48, bias=False), LinearBase(32, 48, bias=False))
     for layer in model:
         layer.process_weights_after_loading()
@@ -200,7 +201,7 @@ def test_a_bf16_model_loads_and_generates_without_packing(no_bf16_packing: None,
     from tests.reference import check_logprobs_close, hf_greedy
 
     prompts = [[5, 17, 42, 99, 3], [7, 8, 9], list(range(20, 60))]
-    with caplog.at_level("INFO", logger=cpu_gemm.logger.name):
+    with caplog.at_level("INFO", logger=gemm_plans.logger.name):
         llm = LLM(model=str(llama_path), dtype="bfloat16", disable_log_stats=True)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],

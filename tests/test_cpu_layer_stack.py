@@ -13,7 +13,7 @@ import torch
 
 from raylm.cluster import LLM, SamplingParams
 from raylm.runner import cpu_kernels
-from raylm.runner.layers import cpu_gemm
+from raylm.runner.layers import gemm_plans
 from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, GemmPlan
 from raylm.runner.models.cpu_layer_stack import CpuLayerStack
 
@@ -33,7 +33,7 @@ def skinny_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     SmolLM2's shapes), without timing: the tiny test shapes could time either way."""
     monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
     plan = GemmPlan(tuple("skinny" if rows <= SKINNY_ROWS else "onednn" for rows in ROW_BUCKETS))
-    monkeypatch.setattr(cpu_gemm, "time_kernels", lambda layers: (plan, {}))
+    monkeypatch.setattr(gemm_plans, "time_kernels", lambda layers: (plan, {}))
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.configs.model_info import read_model_info
-from raylm.runner.layers import cpu_gemm
+from raylm.runner.layers import gemm_plans
 from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, GemmPlan
 from raylm.runner.layers.quantization.checkpoint_formats import CheckpointQuantMethod
 from raylm.runner.models.loader import load_model
@@ -107,7 +107,7 @@ def test_input_changing_formats_under_the_skinny_plan(formats: dict[str, Path], 
     run these layers: it must leave them to their quant method, which permutes (act order) or quantizes (W8A8) x."""
     monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
     plan = GemmPlan(tuple("skinny" for _ in ROW_BUCKETS))
-    monkeypatch.setattr(cpu_gemm, "time_kernels", lambda layers: (plan, {}))
+    monkeypatch.setattr(gemm_plans, "time_kernels", lambda layers: (plan, {}))
     ours = run(formats[name])
     assert check_logprobs_close(reference(name, formats[name]), ours, name) <= 1
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from raylm.configs.gguf_metadata import is_gguf
 from raylm.configs.quant_formats import read_checkpoint_quant
-from raylm.runner.layers.cpu_gemm import plan_linears
+from raylm.runner.layers.gemm_plans import plan_linears
 from raylm.runner.layers.quantization import get_quantization_config
 from raylm.runner.layers.quantization.base_config import set_quant_config
 from raylm.runner.layers.quantization.block_quant import BlockQuantMethod

@@ -113,7 +113,7 @@ class BlockQuantMethod(QuantizeMethodBase):
         fmt = layer.weight.quant_format
         # Decided once per layer (device, dtype, custom_ops are fixed by now) rather than on every call.
         layer.block_kernels = kernels.kernels_for(layer.weight.device, layer.params_dtype)
-        layer.block_matmul, layer.amx_matmul, layer.dequantized = None, None, None
+        layer.block_matmul, layer.amx_matmul, layer.int8_matmul, layer.dequantized = None, None, None, None
         ops = kernels.kernels_for(layer.weight.device, torch.float32)
         if fmt is not None and ops is not None and isinstance(layer, CpuGemmMixin):
             # The block kernels (float32 in registers; bfloat16 on AMX tiles where the CPU has them) are candidates
@@ -126,6 +126,9 @@ class BlockQuantMethod(QuantizeMethodBase):
             amx = kernels.amx_kernels_for(layer.weight.device, layer.params_dtype)
             if amx is not None:
                 layer.amx_matmul = lambda x, bias: kernels.amx_linear(x, layer.weight, fmt, bias, amx)
+            int8 = kernels.int8_kernels_for(layer.weight.device, layer.params_dtype)
+            if int8 is not None:
+                layer.int8_matmul = lambda x, bias: kernels.int8_linear(x, layer.weight, fmt, bias, int8)
             copy_dtype = dequantized_dtype(layer.params_dtype)
             plan = layer.gemm_plan
             if amx is None and onednn_packs(copy_dtype) and (plan is None or not set(plan.kernels) <= BLOCK_KERNELS):
