@@ -117,10 +117,10 @@ class BlockQuantMethod(QuantizeMethodBase):
         ops = kernels.kernels_for(layer.weight.device, torch.float32)
         if fmt is not None and ops is not None and isinstance(layer, CpuGemmMixin):
             # The block kernels (float32 in registers; bfloat16 on AMX tiles where the CPU has them) are candidates
-            # of the layer's GEMM plan. Where AMX runs they are the only ones: AMX keeps up with oneDNN's bfloat16
-            # matmul at every batch (docs/cpu-performance.md), so the weight stays in its blocks alone. Elsewhere
-            # the float kernels, faster from some tens of rows, run on a dequantized copy, made only while the plan
-            # is unknown (to time it) or picks them for some rows.
+            # of the layer's GEMM plan. Where AMX runs they are the only ones: AMX came within ~10% of oneDNN's
+            # bfloat16 matmul on a copy or beat it on decoder shapes (docs/cpu-performance.md), so the weight stays
+            # in its blocks. Elsewhere the float kernels, faster from some tens of rows, run on a dequantized copy,
+            # made only while the plan is unknown (to time it) or picks them for some rows.
             layer.block_matmul = lambda x, bias: kernels.block_linear(
                 x.float(), layer.weight, fmt, None if bias is None else bias.float(), ops).to(x.dtype)
             amx = kernels.amx_kernels_for(layer.weight.device, layer.params_dtype)
