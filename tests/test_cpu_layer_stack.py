@@ -4,7 +4,7 @@ that enforce_eager keeps; layers it cannot run as written keep that path."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,9 @@ from raylm.cluster import LLM, SamplingParams
 from raylm.runner import cpu_kernels
 from raylm.runner.layers import gemm_plans
 from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, GemmPlan
-from raylm.runner.models.cpu_layer_stack import CpuLayerStack
+from raylm.runner.layers.quantization import kernels as block_kernels
+from raylm.runner.layers.quantization.ggml_blocks import Q4_1, Q8_0, BlockFormat, quantize
+from raylm.runner.models.cpu_layer_stack import STACK_KERNELS, CpuLayerStack
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
                                 reason="needs raylm's CPU kernels and oneDNN")
@@ -78,6 +80,31 @@ def test_stacked_steps_equal_the_module_path_bit_for_bit(arch: str, schedule: st
     assert stacked == eager
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_layers_stack_bit_for_bit(arch: str, dtype: str, checkpoints: dict[str, Path], tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch, stack_rows: list[int]) -> None:
+    """Layers quantized to blocks (int4) take the stack through their block kernels: int8 activations at 1-2 rows
+    and AMX tiles at 3-16 (bfloat16; where the CPU has AMX), the float32 decode of blocks in registers elsewhere up to
+    64 rows, and a kernel the stack cannot call past them; the same tokens and logprobs as the module path."""
+    quant_ops = block_kernels.load()
+    if quant_ops is None:
+        pytest.skip("the quantized kernels could not be built")
+    few = "packed_int8" if dtype == "bfloat16" else "packed"
+    mid = "amx" if dtype == "bfloat16" and quant_ops.amx_available() else "packed"
+    plan = GemmPlan(tuple(few if rows <= 2 else mid if rows <= 16 else "packed" if rows <= 64 else "onednn"
+                          for rows in ROW_BUCKETS))
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm_plans, "time_kernels", lambda layers: (plan, {}))
+    settings = dict(dtype=dtype, quantization="int4", **SCHEDULES["chunked_prefill"])
+    stacked = generate(checkpoints[arch], **settings)
+    assert stack_rows and max(stack_rows) <= 32 and min(stack_rows) <= 16
+    taken = len(stack_rows)
+    eager = generate(checkpoints[arch], enforce_eager=True, **settings)
+    assert len(stack_rows) == taken, "enforce_eager runs module by module"
+    assert stacked == eager
+
+
 def test_layers_it_cannot_run_as_written_keep_the_module_path(checkpoints: dict[str, Path], skinny_plans: None,
                                                               stack_rows: list[int]) -> None:
     generate(checkpoints["qwen3"])  # q/k norm inside the attention
@@ -85,9 +112,14 @@ def test_layers_it_cannot_run_as_written_keep_the_module_path(checkpoints: dict[
     assert stack_rows == []
 
 
+Linear = Callable[[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
+
+
 def one_kernel_at_a_time(ops: Any, hidden: torch.Tensor, residual: torch.Tensor | None, layer_tensors: list[Any],
-                         kv_caches: list[torch.Tensor], step: dict[str, Any], dims: list[int]) -> tuple[Any, Any]:
-    """LlamaDecoderLayer.forward's kernel calls, one Python call each, as the module path makes them."""
+                         linear: list[Linear], kv_caches: list[torch.Tensor], step: dict[str, Any],
+                         dims: list[int]) -> tuple[Any, Any]:
+    """LlamaDecoderLayer.forward's kernel calls, one Python call each, as the module path makes them; linear[i] is
+    the i-th linear of every layer's call (qkv, o, gate_up, down)."""
     num_heads, num_kv_heads, head_size, rotary_dim, hidden_size, intermediate = dims
     q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
     n = step["num_actual_tokens"]
@@ -97,7 +129,7 @@ def one_kernel_at_a_time(ops: Any, hidden: torch.Tensor, residual: torch.Tensor 
             residual, hidden = hidden, ops.rms_norm(hidden, norm1, step["eps"])
         else:
             ops.fused_add_rms_norm(hidden, residual, norm1, step["eps"])
-        q, k, v = ops.skinny_linear(hidden, qkv_w, q_size + 2 * kv_size, qkv_b).split([q_size, kv_size, kv_size], -1)
+        q, k, v = linear[0](hidden, qkv_w, q_size + 2 * kv_size, qkv_b).split([q_size, kv_size, kv_size], -1)
         ops.rotary_embedding(step["positions"], q, k, step["cos_sin_cache"], head_size, rotary_dim)
         q, k, v = (t.unflatten(-1, (-1, head_size)) for t in (q, k, v))
         ops.write_kv(k[:n], v[:n], kv_cache[0], kv_cache[1], step["slot_mapping"])
@@ -105,37 +137,75 @@ def one_kernel_at_a_time(ops: Any, hidden: torch.Tensor, residual: torch.Tensor 
         out[n:].zero_()
         ops.paged_attention(out, q, kv_cache[0], kv_cache[1], step["block_table"], step["seq_lens"],
                             step["query_start_loc"], step["scale"])
-        hidden = ops.skinny_linear(out.flatten(1), o_w, hidden_size, o_b)
+        hidden = linear[1](out.flatten(1), o_w, hidden_size, o_b)
         ops.fused_add_rms_norm(hidden, residual, norm2, step["eps"])
-        gate_up = ops.skinny_linear(hidden, gate_up_w, 2 * intermediate, gate_up_b)
-        hidden = ops.skinny_linear(ops.silu_and_mul(gate_up), down_w, hidden_size, down_b)
+        gate_up = linear[2](hidden, gate_up_w, 2 * intermediate, gate_up_b)
+        hidden = linear[3](ops.silu_and_mul(gate_up), down_w, hidden_size, down_b)
     return hidden, residual
+
+
+# Each linear's kernel (qkv, o, gate_up, down), the block ones on Q4_1 blocks (Q8_0 for down_proj).
+LINEAR_KERNELS = {
+    "skinny": ("skinny",) * 4,
+    "packed": ("packed", "skinny", "packed", "packed"),
+    "packed_int8": ("packed_int8", "packed_int8", "skinny", "packed_int8"),
+    "amx": ("amx", "amx", "amx", "skinny"),
+}
+
+
+def python_linear(ops: Any, quant_ops: Any, kernel: str, fmt: BlockFormat) -> Linear:
+    """The layer's Python path for `kernel` (cpu_gemm.CpuGemmMixin.matmul and quantization/block_quant.py)."""
+    if kernel == "skinny":
+        return lambda x, w, n, bias: ops.skinny_linear(x, w, n, bias)
+    if kernel == "packed":
+        return lambda x, w, n, bias: block_kernels.block_linear(
+            x.float(), w, fmt, None if bias is None else bias.float(), quant_ops).to(x.dtype)
+    if kernel == "packed_int8":
+        return lambda x, w, n, bias: block_kernels.int8_linear(x, w, fmt, bias, quant_ops)
+    return lambda x, w, n, bias: block_kernels.amx_linear(x, w, fmt, bias, quant_ops)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("first_stage", [True, False], ids=["first_stage", "later_stage"])
-def test_decoder_layers_make_the_same_kernel_calls(build: str, first_stage: bool, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("kernels", LINEAR_KERNELS)
+def test_decoder_layers_make_the_same_kernel_calls(kernels: str, build: str, first_stage: bool,
+                                                    dtype: torch.dtype) -> None:
     """The C++ loop against the same kernels called one by one: equal bit for bit, padding rows, biases and a later
     pipeline stage's residual included, in this CPU's build and the AVX2 one (8-float registers, 4-row passes; in
-    bfloat16 the AVX2 build widens the weights' pairs where the native one may multiply them with AVX512-BF16)."""
+    bfloat16 the AVX2 build widens the weights' pairs where the native one may multiply them with AVX512-BF16); and
+    with quantized linears, each block kernel through the quantized kernels' library as the layer's Python path
+    calls it (int8 activations and AMX tiles for bfloat16 only, as the layers use them)."""
     ops = cpu_kernels.load() if build == "native" else cpu_kernels.load_avx2()
     if ops is None:
         pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
+    chosen = LINEAR_KERNELS[kernels]
+    quant_ops = block_kernels.load()
+    if kernels != "skinny" and quant_ops is None:
+        pytest.skip("the quantized kernels could not be built")
+    if kernels in ("packed_int8", "amx") and dtype != torch.bfloat16:
+        pytest.skip("int8 activations and AMX tiles run bfloat16 activations only")
+    if kernels == "amx" and not (quant_ops is not None and quant_ops.amx_available()):
+        pytest.skip("no AMX-BF16 here")
     gen = torch.Generator().manual_seed(0)
     dims = [4, 2, 16, 16, 64, 96]  # heads, KV heads, head size, rotary dims, hidden, intermediate
     num_heads, num_kv_heads, head_size, _, hidden_size, intermediate = dims
     query_lens, seq_lens, num_blocks, block_size = [1, 5, 1], [9, 5, 20], 8, 16
     n, num_tokens = sum(query_lens), sum(query_lens) + 2  # two padding rows
+    formats = (Q4_1, Q4_1, Q4_1, Q8_0)
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.3).to(dtype)
+
+    def weight(shape: tuple[int, int], kernel: str, fmt: BlockFormat) -> torch.Tensor:
+        w = rand(*shape)
+        return ops.pack_skinny(w) if kernel == "skinny" else quantize(w.float(), fmt)
 
     layer_tensors = []
     for with_bias in (True, False):
         linears = [((num_heads + 2 * num_kv_heads) * head_size, hidden_size), (hidden_size, num_heads * head_size),
                    (2 * intermediate, hidden_size), (hidden_size, intermediate)]
-        packed = [ops.pack_skinny(rand(*shape)) for shape in linears]
+        packed = [weight(shape, kernel, fmt) for shape, kernel, fmt in zip(linears, chosen, formats, strict=True)]
         biases = [rand(shape[0]) if with_bias else None for shape in linears]
         layer_tensors.append((1 + rand(hidden_size), packed[0], packed[1], 1 + rand(hidden_size), packed[2], packed[3],
                               *biases))
@@ -150,12 +220,17 @@ def test_decoder_layers_make_the_same_kernel_calls(build: str, first_stage: bool
     hidden, residual = rand(num_tokens, hidden_size), None if first_stage else rand(num_tokens, hidden_size)
 
     expected_caches = [cache.clone() for cache in caches]
+    linear = [python_linear(ops, quant_ops, kernel, fmt) for kernel, fmt in zip(chosen, formats, strict=True)]
     expected = one_kernel_at_a_time(ops, hidden.clone(), None if residual is None else residual.clone(), layer_tensors,
-                                    expected_caches, step, dims)
+                                    linear, expected_caches, step, dims)
     weights = [t for layer in layer_tensors for t in layer[:6]]
     biases = [t for layer in layer_tensors for t in layer[6:]]
+    codes = [STACK_KERNELS[kernel] for _ in layer_tensors for kernel in chosen]
+    qtypes = [0 if kernel == "skinny" else fmt.ggml_type for _ in layer_tensors
+              for kernel, fmt in zip(chosen, formats, strict=True)]
+    address = 0 if quant_ops is None else quant_ops.stack_linear_address()
     got = ops.decoder_layers(hidden, residual, positions, weights, biases, caches, step["cos_sin_cache"],
                              step["slot_mapping"], step["block_table"], step["seq_lens"], step["query_start_loc"], n,
-                             step["scale"], step["eps"], dims)
+                             step["scale"], step["eps"], dims, codes, qtypes, address, block_kernels.MAX_DIRECT_ROWS)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert all(torch.equal(a, b) for a, b in zip(caches, expected_caches, strict=True))

@@ -209,6 +209,24 @@ torch::Tensor block_dequantize(const torch::Tensor& w, const torch::Tensor& rows
   TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
 }
 
+// The CPU layer stack's call into these kernels (cpu_kernels' decoder_layers.h, a separate library, holds its
+// address; the two are built from the same torch headers): y = x W^T (+ bias) in x's dtype, by `kernel` 1 `packed`,
+// 2 `packed_int8` or 3 `amx` (decoder_layers.h's LinearKernel), with the casts and bias add the layer's Python path
+// (quantization/kernels.py) makes around the same kernel, so the stacked layers equal it bit for bit.
+torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t kernel, int64_t qtype, int64_t n,
+                           const c10::optional<torch::Tensor>& bias, int64_t max_direct_rows) {
+  if (kernel == 3) {
+    return block_gemm_amx(x, w, qtype, n,
+                          bias ? c10::optional<torch::Tensor>(bias->to(torch::kFloat)) : c10::nullopt);
+  }
+  TORCH_CHECK(kernel == 1 || kernel == 2, "stack_linear: kernel ", kernel,
+              " is not packed (1), packed_int8 (2) or amx (3)");
+  const torch::Tensor x32 = x.to(torch::kFloat).contiguous();
+  torch::Tensor y = kernel == 1 ? block_gemm(x32, w, qtype, n, max_direct_rows) : block_gemm_int8(x32, w, qtype, n);
+  if (bias) y.add_(*bias);
+  return y.to(x.scalar_type());
+}
+
 }  // namespace raylm
 
 // Every kernel runs without the GIL (after its arguments are read): the engine's other Python threads (a server's
@@ -223,4 +241,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemm_amx", &raylm::block_gemm_amx, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), kNoGil);
   m.def("amx_available", &raylm::quant::amx_available);
+  m.def("stack_linear_address", [] { return reinterpret_cast<int64_t>(&raylm::stack_linear); });
 }
