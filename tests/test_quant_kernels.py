@@ -70,15 +70,16 @@ def test_portable_path_equals_dequantize_then_matmul(fmt: BlockFormat) -> None:
     assert torch.equal(ops.block_dequantize(packed, ids, fmt.ggml_type, k), dequantize(packed, fmt)[ids])
 
 
-AMX_SHAPES = [(1, 32, 32), (5, 37, 96), (16, 64, 576), (17, 96, 160), (40, 33, 64), (70, 130, 288)]
+AMX_SHAPES = [(1, 32, 32), (5, 37, 96), (16, 64, 576), (17, 96, 160), (40, 33, 64), (70, 130, 288), (100, 700, 96)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
 @pytest.mark.parametrize(("m", "n", "k"), AMX_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in AMX_SHAPES])
 def test_amx_path_equals_dequantize_then_matmul_in_bfloat16(fmt: BlockFormat, m: int, n: int, k: int) -> None:
     """The AMX kernel (bfloat16 x, panels of W decoded to bfloat16, float32 sums, y rounded once): one x block and
-    pairs of them, a last panel and a last x block cut short, with and without bias. It computes on the weights the
-    bfloat16 copy holds, so it differs from that product by summation order and the final rounding only."""
+    pairs of them, panels decoded in groups (the last one short), a last panel and a last x block cut short, with and
+    without bias. It computes on the weights the bfloat16 copy holds, so it differs from that product by summation
+    order and the final rounding only."""
     ops = kernels.amx_kernels_for(torch.device("cpu"), torch.bfloat16)
     if ops is None:
         pytest.skip("no AMX-BF16 here (the block kernel and the float kernels cover this CPU)")

@@ -232,33 +232,49 @@ inline void panel_products(const uint16_t* panel, int64_t k, const uint32_t* b0,
   }
 }
 
+// Panels decoded per pass over x at most: a group's bfloat16 (36 KB a panel at K = 576) stays in L2 while each pair
+// of x blocks, in L1, runs against every panel of it, so x streams from L2 once per group rather than once per panel.
+constexpr int64_t kGroupPanels = 8;
+
 template <class B>
 void amx_gemm(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, uint16_t* y) {
   const int64_t kblocks = k / kBlock, xblocks = (m + kTile - 1) / kTile;
   const torch::Tensor packed_x = pack_x(x, m, k, xblocks, AmxBlock<B>::kLookup);
   const uint32_t* packed = reinterpret_cast<const uint32_t*>(packed_x.data_ptr<int32_t>());
   const int64_t btile = kTile * kTile, panels = (n + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  // One panel a group where x is a pair of blocks or less (nothing to reuse); else each thread's share of panels in
+  // as few groups of at most kGroupPanels as it takes, of equal size, so that the threads' shares stay even.
+  const int64_t per_thread = (panels + at::get_num_threads() - 1) / at::get_num_threads();
+  const int64_t passes = (per_thread + kGroupPanels - 1) / kGroupPanels;
+  const int64_t group = xblocks <= 2 ? 1 : (per_thread + passes - 1) / passes;
+  const int64_t groups = (panels + group - 1) / group;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     configure_tiles();
     // Rows of k bfloat16, a multiple of 64 bytes (k is of whole 32-weight blocks), from an aligned start.
-    const torch::Tensor panel_buffer = torch::empty({kPanel * k}, torch::kInt16);
-    uint16_t* panel = reinterpret_cast<uint16_t*>(panel_buffer.data_ptr<int16_t>());
+    const torch::Tensor panel_buffer = torch::empty({group * kPanel * k}, torch::kInt16);
+    uint16_t* panel_base = reinterpret_cast<uint16_t*>(panel_buffer.data_ptr<int16_t>());
     std::vector<float> scales(2 * kblocks);
     alignas(64) float c[4][kTile * kTile];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanel;
-      decode_panel<B>(w, kblocks, n, n0, panel, scales.data());
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * group, p1 = std::min(panels, p0 + group);
+      for (int64_t p = p0; p < p1; ++p) {
+        decode_panel<B>(w, kblocks, n, p * kPanel, panel_base + (p - p0) * kPanel * k, scales.data());
+      }
       for (int64_t xb = 0; xb < xblocks; xb += 2) {
         const uint32_t* b0 = packed + xb * kblocks * btile;
         const bool pair = xb + 1 < xblocks;
-        if (pair) {
-          panel_products<2>(panel, k, b0, c);
-        } else {
-          panel_products<1>(panel, k, b0, c);
-        }
-        for (int half = 0; half < 2 && n0 + half * kTile < n; ++half) {
-          write_tile(c[half], bias, n, n0 + half * kTile, m, xb * kTile, y);
-          if (pair) write_tile(c[2 + half], bias, n, n0 + half * kTile, m, (xb + 1) * kTile, y);
+        for (int64_t p = p0; p < p1; ++p) {
+          const uint16_t* panel = panel_base + (p - p0) * kPanel * k;
+          const int64_t n0 = p * kPanel;
+          if (pair) {
+            panel_products<2>(panel, k, b0, c);
+          } else {
+            panel_products<1>(panel, k, b0, c);
+          }
+          for (int half = 0; half < 2 && n0 + half * kTile < n; ++half) {
+            write_tile(c[half], bias, n, n0 + half * kTile, m, xb * kTile, y);
+            if (pair) write_tile(c[2 + half], bias, n, n0 + half * kTile, m, (xb + 1) * kTile, y);
+          }
         }
       }
     }
