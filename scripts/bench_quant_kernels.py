@@ -3,10 +3,9 @@ weight-only ops (`_weight_int8pack_mm`: int8, one scale per output channel; `_we
 groups of 32 with a scale and a zero, fed float32 or bfloat16 activations), raylm's block kernels (Q8_0, Q4_1), its
 kernel on int8 activations (`int8`: bfloat16 x quantized to int8 per block, integer dot products; llama.cpp's few-row
 scheme), its AMX kernel where the CPU has AMX-BF16 (bfloat16 activations, panels of blocks decoded to bfloat16 in cache)
-and
-the float kernels a quantized layer's GEMM plan weighs against them (runner/layers/cpu_gemm.py): sgemm, oneDNN and the
-skinny kernel on a dequantized copy, float32 for float32 activations, bfloat16 for bfloat16 ones (`dtype: auto` for a
-quantized model on a CPU with bfloat16 dot products), where the block kernel takes x upcast and rounds its result.
+and the float kernels a quantized layer's GEMM plan weighs against them (runner/layers/cpu_gemm.py): sgemm, oneDNN and
+the skinny kernel on a dequantized copy, float32 for float32 activations, bfloat16 for bfloat16 ones (`dtype: auto` for
+a quantized model on a CPU with bfloat16 dot products), where the block kernel takes x upcast and rounds its result.
 A summary follows: per batch, each quantized layer against float32 (best of sgemm, oneDNN, skinny): the block kernel
 alone (raylm before its plan took quantized layers), planned in float32 (the faster of the block kernel and float32's
 kernels on a float32 copy) and planned in bfloat16 (the fastest of the block kernel, the AMX kernel and bfloat16's on
@@ -21,6 +20,11 @@ op runs Q4_1's exact numbers (zero = m + 8 d); its int8 op needs per-channel sca
 
     python scripts/bench_quant_kernels.py [--shapes smollm2|100m] [--rows 1 8 32 64] [--rounds 15] [--no-torch]
         [--best] [--cpu-time]
+
+An AVX2-only CPU's table, on an AVX-512 one (oneDNN's bfloat16 column is left out where oneDNN cannot pack bfloat16):
+
+    PYTHONPATH=scripts/emulate_avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        python scripts/bench_quant_kernels.py --rows 1 8 32 64 --best --no-torch
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raylm.runner import cpu_kernels  # noqa: E402
+from raylm.runner.layers.cpu_gemm import onednn_packs  # noqa: E402
 from raylm.runner.layers.quantization import kernels  # noqa: E402
 from raylm.runner.layers.quantization.ggml_blocks import Q4_1, Q8_0, dequantize, quantize  # noqa: E402
 from scripts.bench_common import machine_line  # noqa: E402
@@ -70,7 +75,8 @@ def kernels_for_shape(n: int, k: int, copies: int,
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in floats]
     skinny = [ops.pack_skinny(w) for w in floats]
     bf16 = [w.bfloat16() for w in floats]
-    onednn_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in bf16]
+    # oneDNN packs bfloat16 only where its bfloat16 kernels run (not on an AVX2-only CPU or under its emulation).
+    onednn_bf16 = [torch.ops.mkldnn._reorder_linear_weight(w) for w in bf16] if onednn_packs(torch.bfloat16) else []
     skinny_bf16 = [ops.pack_skinny(w) for w in bf16]
     # Each block kernel reads copies of its own: one run after another on the same copy would find it in cache.
     q8, q4 = {}, {}
@@ -100,6 +106,8 @@ def kernels_for_shape(n: int, k: int, copies: int,
         "bf16 int8 Q8_0": lambda x, xb, i: kernels.int8_linear(xb, q8["int8"][i], Q8_0, None, quant_ops),
         "bf16 int8 Q4_1": lambda x, xb, i: kernels.int8_linear(xb, q4["int8"][i], Q4_1, None, quant_ops),
     }
+    if not onednn_bf16:
+        del calls["bf16 onednn"]
     amx = kernels.amx_kernels_for(torch.device("cpu"), torch.bfloat16)
     if amx is not None:  # AMX tiles over panels decoded to bfloat16 (csrc/quant/amx_gemm.h)
         calls["bf16 amx Q8_0"] = lambda x, xb, i: kernels.amx_linear(xb, q8["amx"][i], Q8_0, None, amx)
@@ -149,7 +157,7 @@ def bench(shapes: list[tuple[str, int, int, int]], rows: list[int], rounds: int,
             # float32 for float32 activations, bfloat16 for bfloat16 ones. int4 keeps the LM head in Q8_0 (as the
             # default GGUF file does).
             medians["float32 best"] = min(medians["float32"], medians["float32 onednn"], medians["float32 skinny"])
-            bf16_best = min(medians["bf16 sgemm"], medians["bf16 onednn"], medians["bf16 skinny"])
+            bf16_best = min(medians["bf16 sgemm"], medians.get("bf16 onednn", float("inf")), medians["bf16 skinny"])
             for method, fmt in (("int8", "Q8_0"), ("int4", "Q8_0" if layer == "lm_head" else "Q4_1")):
                 medians[f"{method} blocks"] = medians[f"raylm {fmt}"]
                 medians[f"{method} planned"] = min(medians[f"raylm {fmt}"], medians["float32 best"])
