@@ -149,16 +149,26 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
   TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
 }
 
-// y = x W^T for float32 x [m, k] quantized to int8 per block of 32 (a scale each, as ggml's Q8_0), by integer dot
-// products with W's blocks (int8_dot.h): float32 y [m, n].
-torch::Tensor block_gemm_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n) {
-  check(x, w);
+// y = x W^T (+ bias) for x [m, k] (float32 or bfloat16) quantized to int8 per block of 32 (a scale each, as ggml's
+// Q8_0), by integer dot products with W's blocks (int8_dot.h): summed in float32, the bias added there, y rounded to
+// x's dtype once. The casts run here, not as torch ops from Python: at a decode step's few rows they cost more than
+// the product of a small weight.
+torch::Tensor block_gemm_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
+                              const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+                  x.dim() == 2,
+              "x must be a 2-D float32 or bfloat16 CPU tensor");
+  const torch::Tensor x32 = x.to(torch::kFloat32).contiguous();
+  check(x32, w);
+  torch::Tensor y;
   switch (qtype) {
-    case 2: return gemm_int8<Q4_0>(x, w, n);
-    case 3: return gemm_int8<Q4_1>(x, w, n);
-    case 8: return gemm_int8<Q8_0>(x, w, n);
+    case 2: y = gemm_int8<Q4_0>(x32, w, n); break;
+    case 3: y = gemm_int8<Q4_1>(x32, w, n); break;
+    case 8: y = gemm_int8<Q8_0>(x32, w, n); break;
+    default: TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
   }
-  TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
+  if (bias) y.add_(*bias);
+  return y.to(x.scalar_type());
 }
 
 // y = x W^T (+ bias) on AMX tiles (amx_gemm.h): x bfloat16 [m, k], bias float32 [n] or None, y bfloat16 [m, n].
@@ -211,8 +221,8 @@ torch::Tensor block_dequantize(const torch::Tensor& w, const torch::Tensor& rows
 
 // The CPU layer stack's call into these kernels (cpu_kernels' decoder_layers.h, a separate library, holds its
 // address; the two are built from the same torch headers): y = x W^T (+ bias) in x's dtype, by `kernel` 1 `packed`,
-// 2 `packed_int8` or 3 `amx` (decoder_layers.h's LinearKernel), with the casts and bias add the layer's Python path
-// (quantization/kernels.py) makes around the same kernel, so the stacked layers equal it bit for bit.
+// 2 `packed_int8` or 3 `amx` (decoder_layers.h's LinearKernel), with the casts and bias add the layer's path makes
+// around the same kernel (quantization/kernels.py), so the stacked layers equal it bit for bit.
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t kernel, int64_t qtype, int64_t n,
                            const c10::optional<torch::Tensor>& bias, int64_t max_direct_rows) {
   if (kernel == 3) {
@@ -221,8 +231,8 @@ torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& w, int64
   }
   TORCH_CHECK(kernel == 1 || kernel == 2, "stack_linear: kernel ", kernel,
               " is not packed (1), packed_int8 (2) or amx (3)");
-  const torch::Tensor x32 = x.to(torch::kFloat).contiguous();
-  torch::Tensor y = kernel == 1 ? block_gemm(x32, w, qtype, n, max_direct_rows) : block_gemm_int8(x32, w, qtype, n);
+  if (kernel == 2) return block_gemm_int8(x, w, qtype, n, bias);
+  torch::Tensor y = block_gemm(x.to(torch::kFloat).contiguous(), w, qtype, n, max_direct_rows);
   if (bias) y.add_(*bias);
   return y.to(x.scalar_type());
 }
@@ -234,7 +244,8 @@ torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& w, int64
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("block_gemm", &raylm::block_gemm, kNoGil);
-  m.def("block_gemm_int8", &raylm::block_gemm_int8, kNoGil);
+  m.def("block_gemm_int8", &raylm::block_gemm_int8, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), kNoGil);
   // The instruction set the integer kernel was built for: avx512_vnni, avx_vnni, avx2 or portable.
   m.def("int8_path", [] { return std::string(raylm::quant::kInt8Path); });
   m.def("block_dequantize", &raylm::block_dequantize, kNoGil);

@@ -80,12 +80,10 @@ def int8_kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | N
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None,
                 ops: ModuleType) -> torch.Tensor:
     """y = x W^T (+ bias) with x quantized to int8 per block (int8_activations) against W's blocks in integer dot
-    products, summed in float32; y in x's dtype."""
-    x2d = x.reshape(-1, x.shape[-1]).float().contiguous()
-    y = ops.block_gemm_int8(x2d, packed, fmt.ggml_type, packed.shape[0])
-    if bias is not None:
-        y += bias
-    return y.to(x.dtype).reshape(*x.shape[:-1], packed.shape[0])
+    products, summed in float32, the bias added there; y in x's dtype."""
+    y = ops.block_gemm_int8(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), packed, fmt.ggml_type, packed.shape[0],
+                            bias)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None,
