@@ -1,6 +1,7 @@
-"""The CPU layer stack (runner/models/cpu_layer_stack.py): steps whose linears all take the skinny kernel run the
-decoder layers in one kernel call, with the same tokens and logprobs, bit for bit, as the module-by-module path
-that enforce_eager keeps; layers it cannot run as written keep that path."""
+"""The CPU layer stack (runner/models/cpu_layer_stack.py): steps whose linears all take a kernel it calls (the skinny
+kernel, or a quantized layer's block kernels) run the decoder layers in one kernel call, with the same tokens and
+logprobs, bit for bit, as the module-by-module path that enforce_eager keeps; layers it cannot run as written keep
+that path."""
 from __future__ import annotations
 
 import random
