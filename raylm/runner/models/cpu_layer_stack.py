@@ -63,6 +63,7 @@ class CpuLayerStack:
         self.layers = layers
         self.linears = [linear for layer in layers for linear in linears_of(layer)]
         self.runnable = [stack_kernels(linear, dtype) for linear in self.linears]
+        self.step_kernels: list[str] | None = None  # each linear's kernel for the step runs() last accepted
         # A quantized layer's ggml type (its weight's `quant_format`, set by block_quant.py); 0 for a float layer.
         self.qtypes = [0 if linear.block_matmul is None
                        else linear.weight.quant_format.ggml_type  # type: ignore[attr-defined]
@@ -93,10 +94,12 @@ class CpuLayerStack:
         """Whether this step can take the stack: a CPU attention step without a KV connector, the kernels on,
         and every linear planned to a kernel the call runs at this many rows."""
         context = current_forward_context()
-        return (context is not None and isinstance(context.attn_metadata, CPUAttentionMetadata)
+        if not (context is not None and isinstance(context.attn_metadata, CPUAttentionMetadata)
                 and context.kv_connector is None and cpu_kernels.ops_for(hidden_states) is not None
-                and positions.dtype == torch.int64 and hidden_states.is_contiguous()
-                and self.kernels_for(hidden_states.shape[0]) is not None)
+                and positions.dtype == torch.int64 and hidden_states.is_contiguous()):
+            return False
+        self.step_kernels = self.kernels_for(hidden_states.shape[0])  # what forward runs, chosen once a step
+        return self.step_kernels is not None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +107,8 @@ class CpuLayerStack:
         assert context is not None and isinstance(context.attn_metadata, CPUAttentionMetadata), "runs() first"
         metadata = context.attn_metadata
         ops = cpu_kernels.load()
-        kernels = self.kernels_for(hidden_states.shape[0])
-        assert ops is not None and kernels is not None, "runs() first"
+        kernels = self.step_kernels
+        assert ops is not None and kernels is not None and len(kernels) == len(self.linears), "runs() first"
         weights: list[torch.Tensor | None] = []
         biases: list[torch.Tensor | None] = []
         for index, layer in enumerate(self.layers):
