@@ -1,6 +1,7 @@
-"""The block formats and their matmul kernels: quantize/dequantize bit for bit as the gguf package does, and the
-CPU kernels (few rows: blocks decoded in registers; many rows: tiles for sgemm) and the dequantize-per-call path equal
-to dequantize-then-matmul, on odd shapes."""
+"""The block formats and their matmul kernels: quantize/dequantize bit for bit as the gguf package does (ggml's
+formats) and as torch.float8_e4m3fn decodes (raylm's F8_E4M3), and the CPU kernels (few rows: blocks decoded in
+registers; many rows: tiles for sgemm) and the dequantize-per-call path equal to dequantize-then-matmul, on odd
+shapes."""
 from __future__ import annotations
 
 import gguf
@@ -10,8 +11,16 @@ import torch
 
 from raylm.runner import cpu_kernels
 from raylm.runner.layers.quantization import kernels
-from raylm.runner.layers.quantization.ggml_blocks import FORMATS, BlockFormat, dequantize, quantize
+from raylm.runner.layers.quantization.ggml_blocks import (
+    F8_E4M3,
+    FORMATS,
+    BlockFormat,
+    dequantize,
+    pack_fp8,
+    quantize,
+)
 
+KERNEL_FORMATS = [*FORMATS.values(), F8_E4M3]  # ggml's and raylm's FP8 blocks
 SHAPES = [(1, 1, 32), (1, 37, 96), (3, 5, 32), (7, 129, 160), (13, 64, 288), (40, 33, 96)]  # (rows of x, N, K)
 
 
@@ -38,7 +47,7 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: to
     return y if bias is None else y + bias.double()
 
 
-@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("max_direct_rows", [0, 1 << 20], ids=["tiled", "direct"])
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
 def test_cpu_kernels_equal_dequantize_then_matmul(fmt: BlockFormat, max_direct_rows: int, m: int, n: int,
@@ -53,7 +62,7 @@ def test_cpu_kernels_equal_dequantize_then_matmul(fmt: BlockFormat, max_direct_r
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
 
 
-@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
 def test_portable_path_equals_dequantize_then_matmul(fmt: BlockFormat) -> None:
     """The plain-loop path (CPUs without AVX2 + FMA), built here on purpose although this CPU may have AVX2: both
     GEMM paths and the row lookup on a shape with a partial 4-row group and more blocks than one register set."""
@@ -73,7 +82,7 @@ def test_portable_path_equals_dequantize_then_matmul(fmt: BlockFormat) -> None:
 AMX_SHAPES = [(1, 32, 32), (5, 37, 96), (16, 64, 576), (17, 96, 160), (40, 33, 64), (70, 130, 288), (100, 700, 96)]
 
 
-@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize(("m", "n", "k"), AMX_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in AMX_SHAPES])
 def test_amx_path_equals_dequantize_then_matmul_in_bfloat16(fmt: BlockFormat, m: int, n: int, k: int) -> None:
     """The AMX kernel (bfloat16 x, panels of W decoded to bfloat16, float32 sums, y rounded once): one x block and
@@ -101,7 +110,7 @@ def test_amx_needs_its_build_and_bfloat16() -> None:
     assert kernels.amx_kernels_for(torch.device("cpu"), torch.float32) is None
 
 
-@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
 def test_rows_lookup(fmt: BlockFormat) -> None:
     packed = quantize(_weight(37, 96, seed=2), fmt)
     ids = torch.tensor([[3, 0], [36, 3]])
@@ -117,6 +126,61 @@ def test_dequantize_per_call_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernels.kernels_for(x.device, x.dtype) is None
     y = kernels.block_linear(x, packed, fmt, None)
     torch.testing.assert_close(y.double(), _reference(x, packed, fmt, None), rtol=1e-5, atol=1e-5)
+
+
+def _every_e4m3() -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 values [3, 256], float32 scales [3]): every byte but the two NaNs (0x7F, 0xFF: 0x7E, 0xFE instead)
+    subnormals and negatives included, in three orders, under three channel scales."""
+    bits = torch.arange(256, dtype=torch.int32)
+    bits = torch.where(bits & 0x7F == 0x7F, bits - 1, bits)
+    rows = torch.stack([bits, bits.flip(0), bits.roll(37)]).to(torch.uint8)
+    return rows.view(torch.float8_e4m3fn), torch.tensor([0.3712, 3.0, 2.0**-6])
+
+
+def test_f8_e4m3_blocks_hold_the_checkpoint_values() -> None:
+    """Each block: the row's float32 scale, then the E4M3 bytes as stored; dequantize gives scale * value as torch
+    decodes E4M3. quantize rounds a float row to E4M3 under max |w| / 448."""
+    values, scale = _every_e4m3()
+    packed = pack_fp8(values, scale)
+    assert packed.shape == (3, 8 * 36) and F8_E4M3.row_bytes(256) == 8 * 36
+    blocks = packed.reshape(3, 8, 36)
+    assert torch.equal(blocks[..., :4].contiguous().view(torch.float32).squeeze(-1), scale[:, None].expand(3, 8))
+    assert torch.equal(blocks[..., 4:].reshape(3, 256), values.view(torch.uint8))
+    assert torch.equal(dequantize(packed, F8_E4M3), values.float() * scale[:, None])
+    weight = _weight(5, 64, seed=6)
+    row_scale = weight.abs().amax(1) / 448
+    expected = (weight / torch.where(row_scale > 0, row_scale, 1)[:, None]).to(torch.float8_e4m3fn)
+    assert torch.equal(quantize(weight, F8_E4M3), pack_fp8(expected, row_scale))
+
+
+@pytest.mark.parametrize("flush_denormal", [False, True], ids=["denormals", "flush_denormal"])
+@pytest.mark.parametrize("build", ["native", "portable", "avx2"])
+def test_f8_e4m3_kernels_decode_every_value_exactly(build: str, flush_denormal: bool) -> None:
+    """Every kernel path of every build decodes each E4M3 value exactly, subnormals (m * 2^-9) too, also with the
+    denormals-are-zero flag on: x = I makes y the weights themselves (one product, rounded once, as dequantize
+    rounds it), by the direct kernel, the tiled one and the row lookup."""
+    ops = kernels.load(portable=True) if build == "portable" else kernels.load(isa=None if build == "native" else build)
+    assert ops is not None, f"the {build} quantized kernels did not build"
+    values, scale = _every_e4m3()
+    packed, expected = pack_fp8(values, scale), values.float() * scale[:, None]
+    eye, ids = torch.eye(256), torch.tensor([2, 0, 1])
+    assert torch.set_flush_denormal(flush_denormal) or not flush_denormal, "this CPU cannot flush denormals"
+    try:
+        for max_direct_rows in (0, 1 << 20):
+            y = kernels.block_linear(eye, packed, F8_E4M3, None, ops, max_direct_rows=max_direct_rows)
+            assert torch.equal(y.T, expected), max_direct_rows
+        assert torch.equal(ops.block_dequantize(packed, ids, F8_E4M3.ggml_type, 256), expected[ids])
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_f8_e4m3_has_no_int8_dot_kernel() -> None:
+    """block_gemm_int8 multiplies integers: it refuses F8_E4M3 by name (the GEMM plan never offers it)."""
+    ops = kernels.load()
+    assert ops is not None
+    values, scale = _every_e4m3()
+    with pytest.raises(RuntimeError, match="F8_E4M3 blocks have no int8-dot kernel"):
+        ops.block_gemm_int8(torch.randn(2, 256).bfloat16(), pack_fp8(values, scale), F8_E4M3.ggml_type, 3)
 
 
 @pytest.mark.gpu

@@ -1,13 +1,14 @@
-// y = x W^T for bfloat16 x [M, K] and W [N, K] in ggml blocks, on AMX tiles: each panel of 32 weight rows is decoded
-// once to bfloat16 into a buffer that stays in L1/L2, then multiplied by every row of x with AMX's bfloat16 tile
-// products (float32 sums). It reads the blocks (0.56-1.06 bytes a weight) instead of a bfloat16 copy (2 bytes); the
-// GEMM plan times it against oneDNN on that copy per shape and batch (docs/cpu-performance.md has the figures).
+// y = x W^T for bfloat16 x [M, K] and W [N, K] in blocks (block_formats.h), on AMX tiles: each panel of 32 weight
+// rows is decoded once to bfloat16 (amx_blocks.h) into a buffer that stays in L1/L2, then multiplied by every row of x
+// with AMX's bfloat16 tile products (float32 sums). It reads the blocks (0.56-1.13 bytes a weight) instead of a
+// bfloat16 copy (2 bytes); the GEMM plan times it against oneDNN on that copy per shape and batch
+// (docs/cpu-performance.md has the figures).
 //
 // The tile product C += A B takes A as 16 rows of 32 bfloat16 and B as 16 rows of 16 bfloat16 pairs (VNNI), so
 // C[i][j] = sum_k A[i][k] B'[k][j]. A is the decoded weight panel as it lies (row = output feature), B is x packed
 // once per call into pairs (row = pair of input features, column = row of x): C is y transposed, and each C tile is
-// transposed in registers on its way back to y. Built only where the compiler targets AMX-BF16 (-march=native on a CPU with
-// it); `amx_available()` also needs the kernel's permission to use the tile registers.
+// transposed in registers on its way back to y. Built only where the compiler targets AMX-BF16 (-march=native on a CPU
+// with it); `amx_available()` also needs the kernel's permission to use the tile registers.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -18,15 +19,14 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(RAYLM_PORTABLE_KERNELS)
-#define RAYLM_AMX 1
-#include <immintrin.h>
+#include "amx_blocks.h"
+#include "block_formats.h"
+#include "transpose16.h"
+
+#ifdef RAYLM_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-
-#include "block_formats.h"
-#include "transpose16.h"
 
 namespace raylm {
 namespace quant {
@@ -62,76 +62,6 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// A 4-bit block's 32 weights as bfloat16 in *lookup order*: its 16 bytes broadcast to the four 128-bit lanes, lane L's
-// words shifted right by 4 L bits, so word i of lane L holds nibble L of bytes 2i, 2i+1 in its low bits, which look
-// up a table of the block's 16 values (q * scale + offset, rounded once). Slot 8 L + i then holds weight
-// kLookupOrder[8 L + i] (ggml puts weight j in byte j's low nibble, weight j + 16 in its high one); x is packed in the
-// same order, so the products sum the same pairs. vpermw reads 5 index bits: the table is held twice, so the bit
-// above the nibble does not matter. Two shuffles a block, where widening the nibbles took seven.
-constexpr int16_t kLookupOrder[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
-                                      1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-
-inline __m512i lookup_block(const uint8_t* qs, const float& scale, const float& offset) {
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
-  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
-  const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0x0008000800080008,
-                                           0x0008000800080008, 0x000C000C000C000C, 0x000C000C000C000C);
-  const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-  return _mm512_permutexvar_epi16(_mm512_srlv_epi16(bytes, shifts), table);
-}
-
-// The float16 at byte `at` of each of a row's blocks, as float32 (16 blocks a conversion).
-template <int64_t kBytes>
-void row_halves(const uint8_t* row, int64_t nblocks, int64_t at, float* out) {
-  for (int64_t b0 = 0; b0 < nblocks; b0 += kTile) {
-    const int64_t count = std::min<int64_t>(kTile, nblocks - b0);
-    alignas(32) uint16_t halves[kTile] = {};
-    for (int64_t j = 0; j < count; ++j) std::memcpy(&halves[j], row + (b0 + j) * kBytes + at, 2);
-    _mm512_mask_storeu_ps(out + b0, static_cast<__mmask16>((1u << count) - 1),
-                          _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(halves))));
-  }
-}
-
-// Per format: where a block's quantized values start, whether they decode in lookup order, and (for 4-bit blocks)
-// each block's scale and offset as float32, converted for a whole row at once.
-template <class B>
-struct AmxBlock;
-
-template <>
-struct AmxBlock<Q4_0> {
-  static constexpr bool kLookup = true;
-  static constexpr int64_t kValues = 2;
-  static void scales(const uint8_t* row, int64_t nblocks, float* scale, float* offset) {
-    row_halves<Q4_0::kBytes>(row, nblocks, 0, scale);
-    for (int64_t blk = 0; blk < nblocks; ++blk) offset[blk] = -8.0f * scale[blk];
-  }
-};
-
-template <>
-struct AmxBlock<Q4_1> {
-  static constexpr bool kLookup = true;
-  static constexpr int64_t kValues = 4;
-  static void scales(const uint8_t* row, int64_t nblocks, float* scale, float* offset) {
-    row_halves<Q4_1::kBytes>(row, nblocks, 0, scale);
-    row_halves<Q4_1::kBytes>(row, nblocks, 2, offset);
-  }
-};
-
-template <>
-struct AmxBlock<Q8_0> {
-  static constexpr bool kLookup = false;
-};
-
-inline __m512i decode_q8_0(const uint8_t* b) {
-  const __m512 scale = _mm512_set1_ps(half_to_float(b));
-  const __m512 lo = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), scale);
-  const __m512 hi = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), scale);
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
 // Weight rows [n0, n0 + kPanel) as bfloat16 into `panel` (K values a row); rows past n are zeros. `scales` holds
 // 2 * nblocks floats (a row's scales, then its offsets).
 template <class B>
@@ -153,7 +83,7 @@ void decode_panel(const uint8_t* w, int64_t nblocks, int64_t n, int64_t n0, uint
       }
     } else {
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        _mm512_storeu_si512(dst + blk * kBlock, decode_q8_0(row + blk * B::kBytes));
+        _mm512_storeu_si512(dst + blk * kBlock, AmxBlock<B>::decode(row + blk * B::kBytes));
       }
     }
   }

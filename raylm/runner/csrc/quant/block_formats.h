@@ -1,9 +1,10 @@
-// ggml's block formats decoded on CPU, and the kernel that multiplies few rows of x by a row of blocks.
-//   Q4_0: fp16 d, 16 bytes of nibbles;          w = d * (q - 8)
-//   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles;  w = d * q + m
-//   Q8_0: fp16 d, 32 int8;                      w = d * q
+// The block formats decoded on CPU, and the kernel that multiplies few rows of x by a row of blocks.
+//   Q4_0: fp16 d, 16 bytes of nibbles;          w = d * (q - 8)     (ggml's)
+//   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles;  w = d * q + m       (ggml's)
+//   Q8_0: fp16 d, 32 int8;                      w = d * q           (ggml's)
+//   F8_E4M3: fp32 d, 32 E4M3 bytes;             w = d * e4m3        (raylm's, for FP8 checkpoints)
 // Byte j of a 4-bit block holds weight j (low nibble) and weight j + 16 (high nibble). Each format's decode gives the
-// block's integers q with w = q * scale + offset.
+// block's values q (integers; F8_E4M3's E4M3 values, exact) with w = q * scale + offset.
 #pragma once
 
 #include <torch/extension.h>
@@ -18,6 +19,15 @@ namespace raylm {
 namespace quant {
 
 constexpr int64_t kBlock = 32;
+// F8_E4M3's kernel switch number (ggml_blocks.F8_E4M3): raylm's own, above ggml's type numbers (under 64 so far).
+constexpr int64_t kF8E4M3 = 1024;
+
+// F8_E4M3's float32 scale (stored little endian, as x86 loads it).
+inline float float_at(const uint8_t* p) {
+  float value;
+  std::memcpy(&value, p, 4);
+  return value;
+}
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -27,6 +37,21 @@ inline float half_to_float(const uint8_t* p) {
 #else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 #endif
+}
+
+// An E4M3 byte as a float, exactly: a normal value's exponent and mantissa shifted into float32's (bias 7 -> 127), a
+// subnormal one m * 2^-9, the sign OR-ed in. No float32 subnormal on the way, so the denormals-are-zero flag cannot
+// change it.
+inline float e4m3_float(uint8_t byte) {
+  const uint32_t magnitude = byte & 0x7Fu, normal_bits = (magnitude << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &normal_bits, 4);
+  float value = magnitude < 8 ? static_cast<float>(magnitude) * (1.0f / 512) : normal;
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  bits |= static_cast<uint32_t>(byte & 0x80u) << 24;
+  std::memcpy(&value, &bits, 4);
+  return value;
 }
 
 // RAYLM_PORTABLE_KERNELS (a build flag) takes the plain-loop path even where AVX2 is present: the tests build it to
@@ -77,6 +102,40 @@ struct Q8_0 {
     const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
     return {{_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))),
              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)))}};
+  }
+};
+
+// 16 E4M3 bytes as floats, exactly: each byte's magnitude bits shifted into a float16's exponent and mantissa
+// (bias 15 for E4M3's 7: every value, subnormals m * 2^-9 too, lands 2^-8 lower, a float16 subnormal or normal) and
+// its sign into the float16's, widened by F16C, whose conversion ignores the denormals-are-zero flag (Intel's SDM,
+// VCVTPH2PS), then times 2^8 (exact). NaN (0x7F, 0xFF) decodes as 480: FP8 checkpoints hold none.
+inline void e4m3_floats(__m128i bytes, __m256& lo, __m256& hi) {
+#if defined(__F16C__)
+  const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+  const __m256i halves = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(0x3F80)),
+                                         _mm256_and_si256(_mm256_slli_epi16(wide, 8), _mm256_set1_epi16(-0x8000)));
+  const __m256 unit = _mm256_set1_ps(256.0f);
+  lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), unit);
+  hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), unit);
+#else  // a build for AVX2 and FMA without F16C (by hand: every such CPU has it) decodes byte by byte
+  alignas(32) uint8_t b[16];
+  alignas(32) float v[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(b), bytes);
+  for (int j = 0; j < 16; ++j) v[j] = e4m3_float(b[j]);
+  lo = _mm256_load_ps(v);
+  hi = _mm256_load_ps(v + 8);
+#endif
+}
+
+struct F8_E4M3 {
+  static constexpr int64_t kBytes = 36;
+  static inline Vec decode(const uint8_t* b, float& scale, float& offset) {
+    scale = float_at(b);
+    offset = 0.0f;
+    Vec q;
+    e4m3_floats(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)), q.v[0], q.v[1]);
+    e4m3_floats(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 20)), q.v[2], q.v[3]);
+    return q;
   }
 };
 
@@ -168,6 +227,17 @@ struct Q8_0 {
     offset = 0.0f;
     Vec q;
     for (int j = 0; j < kBlock; ++j) q.v[j] = static_cast<float>(static_cast<int8_t>(b[2 + j]));
+    return q;
+  }
+};
+
+struct F8_E4M3 {
+  static constexpr int64_t kBytes = 36;
+  static inline Vec decode(const uint8_t* b, float& scale, float& offset) {
+    scale = float_at(b);
+    offset = 0.0f;
+    Vec q;
+    for (int j = 0; j < kBlock; ++j) q.v[j] = e4m3_float(b[4 + j]);
     return q;
   }
 };

@@ -1,5 +1,6 @@
-// Matmuls on weights kept in ggml's block formats (block_formats.h), as a GGUF file stores them: y = x W^T with x
-// float32 [M, K] and W [N, K] quantized along K in blocks of 32 weights, one row of blocks per output feature.
+// Matmuls on weights kept in block formats (block_formats.h: ggml's, as a GGUF file stores them, and raylm's FP8
+// one): y = x W^T with x float32 [M, K] and W [N, K] quantized along K in blocks of 32 weights, one row of blocks per
+// output feature.
 // Few rows (decode): every block is decoded in registers once and used by all rows of x; many rows (prefill): tiles
 // of W are decoded to float32 once into a buffer that stays in cache and multiplied by ATen's sgemm.
 // Plain C++ for the compiler to vectorize (-O3 -march=native), with AVX2 intrinsics for the decode where present.
@@ -20,8 +21,10 @@ namespace raylm {
 namespace {
 
 using quant::decode_floats;
+using quant::F8_E4M3;
 using quant::gemm_rows;
 using quant::kBlock;
+using quant::kF8E4M3;
 using quant::Q4_0;
 using quant::Q4_1;
 using quant::Q8_0;
@@ -136,8 +139,9 @@ void check(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-// qtype: ggml's type number (2 = Q4_0, 3 = Q4_1, 8 = Q8_0). Batches of up to max_direct_rows rows decode each
-// block in registers for all rows; larger ones decode tiles of W to float32 for sgemm.
+// qtype: ggml's type number (2 = Q4_0, 3 = Q4_1, 8 = Q8_0) or raylm's (kF8E4M3 = 1024 for F8_E4M3). Batches of up
+// to max_direct_rows rows decode each block in registers for all rows; larger ones decode tiles of W to float32 for
+// sgemm.
 torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
                          int64_t max_direct_rows) {
   check(x, w);
@@ -145,6 +149,7 @@ torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t
     case 2: return block_gemm_impl<Q4_0>(x, w, n, max_direct_rows);
     case 3: return block_gemm_impl<Q4_1>(x, w, n, max_direct_rows);
     case 8: return block_gemm_impl<Q8_0>(x, w, n, max_direct_rows);
+    case kF8E4M3: return block_gemm_impl<F8_E4M3>(x, w, n, max_direct_rows);
   }
   TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
 }
@@ -165,6 +170,8 @@ torch::Tensor block_gemm_int8(const torch::Tensor& x, const torch::Tensor& w, in
     case 2: y = gemm_int8<Q4_0>(x32, w, n); break;
     case 3: y = gemm_int8<Q4_1>(x32, w, n); break;
     case 8: y = gemm_int8<Q8_0>(x32, w, n); break;
+    // Integer dot products need integer weights; the GEMM plan never offers this kernel for F8_E4M3.
+    case kF8E4M3: TORCH_CHECK(false, "F8_E4M3 blocks have no int8-dot kernel: E4M3 values are not integers");
     default: TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
   }
   if (bias) y.add_(*bias);
@@ -201,6 +208,9 @@ torch::Tensor block_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int
             quant::amx_gemm<Q4_1>(xs, m, k, ws, n, b, ys); return y;
     case 8: TORCH_CHECK(row_bytes == k / kBlock * Q8_0::kBytes, "weight rows do not hold ", k, " Q8_0 weights");
             quant::amx_gemm<Q8_0>(xs, m, k, ws, n, b, ys); return y;
+    case kF8E4M3: TORCH_CHECK(row_bytes == k / kBlock * F8_E4M3::kBytes, "weight rows do not hold ", k,
+                              " F8_E4M3 weights");
+            quant::amx_gemm<F8_E4M3>(xs, m, k, ws, n, b, ys); return y;
   }
 #endif
   TORCH_CHECK(false, "ggml type ", qtype, " has no AMX kernel");
@@ -215,6 +225,7 @@ torch::Tensor block_dequantize(const torch::Tensor& w, const torch::Tensor& rows
     case 2: return dequantize_impl<Q4_0>(w, rows, k);
     case 3: return dequantize_impl<Q4_1>(w, rows, k);
     case 8: return dequantize_impl<Q8_0>(w, rows, k);
+    case kF8E4M3: return dequantize_impl<F8_E4M3>(w, rows, k);
   }
   TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
 }
