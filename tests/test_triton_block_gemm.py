@@ -18,7 +18,7 @@ import torch
 from raylm.cluster import LLM, SamplingParams
 from raylm.cluster.models.tiny_model import make_tiny_model
 from raylm.runner.layers.quantization import kernels
-from raylm.runner.layers.quantization.ggml_blocks import FORMATS, BlockFormat, dequantize, quantize
+from raylm.runner.layers.quantization.ggml_blocks import F8_E4M3, FORMATS, BlockFormat, dequantize, quantize
 from scripts.gpu_measure import QUANT_BATCHES, block_gemm_rows
 from tests.gguf_files import write_gguf
 from tests.reference import TOP_K, assert_same_output
@@ -48,6 +48,7 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: to
     return y if bias is None else y + bias.cpu().double()
 
 
+KERNEL_FORMATS = [*FORMATS.values(), F8_E4M3]  # ggml's and raylm's FP8 blocks
 # Half a unit in the last place of y's dtype (the one rounding of the float32 sum), relative; float32: the sum's order.
 RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 
@@ -55,7 +56,7 @@ RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
 def test_matches_dequantize_then_matmul(fmt: BlockFormat, m: int, with_bias: bool, dtype: torch.dtype) -> None:
     """K of 5 blocks (a partial last K step at every tile size), N = 40 (not a multiple of the 32 / 64 tiles), a
     decode tile (M 1, 3) and a prefill one (M 17, two row tiles)."""
@@ -102,12 +103,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from raylm.runner.layers.quantization import triton_block_gemm as t
-from raylm.runner.layers.quantization.ggml_blocks import FORMATS
-for fmt in FORMATS.values():
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "w_half_ptr": "*fp16", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+from raylm.runner.layers.quantization.ggml_blocks import F8_E4M3, FORMATS
+for fmt in [*FORMATS.values(), F8_E4M3]:
+    scale_dtype, scales = t.HEADERS[fmt.ggml_type]
+    sig = {"x_ptr": "*bf16", "w_ptr": "*i8", "w_scale_ptr": "*fp16" if scale_dtype.itemsize == 2 else "*fp32",
+           "bias_ptr": "*bf16", "y_ptr": "*bf16",
            **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_ym", "row_bytes"], "i32")}
-    consts = dict(FORMAT=fmt.ggml_type, TYPE_BYTES=fmt.type_bytes, HEADER_BYTES=2 * t._HEADER_HALVES[fmt.ggml_type],
-                  HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_PRECISION=None, INTERPRETED=False)
+    consts = dict(FORMAT=fmt.ggml_type, TYPE_BYTES=fmt.type_bytes, HEADER_BYTES=scale_dtype.itemsize * scales,
+                  SCALE_BYTES=scale_dtype.itemsize, HAS_BIAS=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128,
+                  DOT_PRECISION=None, INTERPRETED=False)
     kernel = triton.compile(ASTSource(t.block_gemm, {**sig, **dict.fromkeys(consts, "constexpr")}, consts),
                             target=GPUTarget("cuda", 90, 32))
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in kernel.asm["ptx"], fmt.name
@@ -118,16 +122,17 @@ for fmt in FORMATS.values():
 @pytest.mark.skipif(ON_CUDA, reason="on CUDA the tests above run the compiled kernel")
 def test_compiles_for_sm90_with_tensor_core_dots() -> None:
     """The interpreter runs the kernel's Python, not its compiled form: build that (Triton's own ptxas, no GPU
-    needed) for an H100, for each format with bfloat16 x, and check its dots are bfloat16 tensor-core MMAs."""
+    needed) for an H100, for each format (F8_E4M3 too) with bfloat16 x, and check its dots are bfloat16 tensor-core
+    MMAs."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("sm_90 cubin") == len(FORMATS), done.stdout
+    assert done.stdout.count("sm_90 cubin") == len(FORMATS) + 1, done.stdout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("fmt", FORMATS.values(), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 def test_cuda_layers_take_the_kernel(fmt: BlockFormat, dtype: torch.dtype) -> None:
