@@ -17,7 +17,7 @@ from raylm.runner import cpu_kernels
 from raylm.runner.layers import gemm_plans
 from raylm.runner.layers.cpu_gemm import ROW_BUCKETS, GemmPlan
 from raylm.runner.layers.quantization import kernels as block_kernels
-from raylm.runner.layers.quantization.ggml_blocks import Q4_1, Q8_0, BlockFormat, quantize
+from raylm.runner.layers.quantization.ggml_blocks import F8_E4M3, Q4_1, Q8_0, BlockFormat, quantize
 from raylm.runner.models.cpu_layer_stack import STACK_KERNELS, CpuLayerStack
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
@@ -145,12 +145,15 @@ def one_kernel_at_a_time(ops: Any, hidden: torch.Tensor, residual: torch.Tensor 
     return hidden, residual
 
 
-# Each linear's kernel (qkv, o, gate_up, down), the block ones on Q4_1 blocks (Q8_0 for down_proj).
+# Each linear's kernel (qkv, o, gate_up, down), the block ones on Q4_1 blocks (Q8_0 for down_proj), or on F8_E4M3
+# blocks for the `_fp8` ones (an FP8 checkpoint's; packed_int8 never runs them).
 LINEAR_KERNELS = {
     "skinny": ("skinny",) * 4,
     "packed": ("packed", "skinny", "packed", "packed"),
     "packed_int8": ("packed_int8", "packed_int8", "skinny", "packed_int8"),
     "amx": ("amx", "amx", "amx", "skinny"),
+    "packed_fp8": ("packed", "skinny", "packed", "packed"),
+    "amx_fp8": ("amx", "amx", "amx", "skinny"),
 }
 
 
@@ -184,16 +187,16 @@ def test_decoder_layers_make_the_same_kernel_calls(kernels: str, build: str, fir
     quant_ops = block_kernels.load()
     if kernels != "skinny" and quant_ops is None:
         pytest.skip("the quantized kernels could not be built")
-    if kernels in ("packed_int8", "amx") and dtype != torch.bfloat16:
+    if kernels in ("packed_int8", "amx", "amx_fp8") and dtype != torch.bfloat16:
         pytest.skip("int8 activations and AMX tiles run bfloat16 activations only")
-    if kernels == "amx" and not (quant_ops is not None and quant_ops.amx_available()):
+    if kernels.startswith("amx") and not (quant_ops is not None and quant_ops.amx_available()):
         pytest.skip("no AMX-BF16 here")
     gen = torch.Generator().manual_seed(0)
     dims = [4, 2, 16, 16, 64, 96]  # heads, KV heads, head size, rotary dims, hidden, intermediate
     num_heads, num_kv_heads, head_size, _, hidden_size, intermediate = dims
     query_lens, seq_lens, num_blocks, block_size = [1, 5, 1], [9, 5, 20], 8, 16
     n, num_tokens = sum(query_lens), sum(query_lens) + 2  # two padding rows
-    formats = (Q4_1, Q4_1, Q4_1, Q8_0)
+    formats = (F8_E4M3,) * 4 if kernels.endswith("_fp8") else (Q4_1, Q4_1, Q4_1, Q8_0)
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.3).to(dtype)

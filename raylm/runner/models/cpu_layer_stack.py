@@ -64,7 +64,8 @@ class CpuLayerStack:
         self.linears = [linear for layer in layers for linear in linears_of(layer)]
         self.runnable = [stack_kernels(linear, dtype) for linear in self.linears]
         self.step_kernels: list[str] | None = None  # each linear's kernel for the step runs() last accepted
-        # A quantized layer's ggml type (its weight's `quant_format`, set by block_quant.py); 0 for a float layer.
+        # A quantized layer's kernel type number (its weight's `quant_format`, set by block_quant.py: ggml's type,
+        # or raylm's for F8_E4M3); 0 for a float layer.
         self.qtypes = [0 if linear.block_matmul is None
                        else linear.weight.quant_format.ggml_type  # type: ignore[attr-defined]
                        for linear in self.linears]

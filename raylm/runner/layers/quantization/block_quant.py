@@ -1,5 +1,6 @@
 """`quantization: int8 | int4 | gguf`: linear layers (the LM head, a tied embedding) whose weights stay in ggml's
-block formats, sharded for TP as packed bytes and run by the block kernels.
+block formats, sharded for TP as packed bytes and run by the block kernels (as are the checkpoint formats'
+blocks, FP8's F8_E4M3 among them: checkpoint_formats.py).
 
 - `int8`: every linear weight quantized at load to Q8_0 (symmetric int8, one scale per 32 weights).
 - `int4`: linear weights to Q4_1 (4-bit, a scale and an offset per 32 weights: the groupwise scale + zero of AWQ and
@@ -127,7 +128,7 @@ class BlockQuantMethod(QuantizeMethodBase):
             if amx is not None:
                 layer.amx_matmul = lambda x, bias: kernels.amx_linear(x, layer.weight, fmt, bias, amx)
             int8 = kernels.int8_kernels_for(layer.weight.device, layer.params_dtype)
-            if int8 is not None:
+            if int8 is not None and fmt.integer:  # integer dot products: not F8_E4M3's E4M3 values
                 layer.int8_matmul = lambda x, bias: kernels.int8_linear(x, layer.weight, fmt, bias, int8)
             copy_dtype = dequantized_dtype(layer.params_dtype)
             plan = layer.gemm_plan
