@@ -38,7 +38,7 @@ ENGINE = dict(dtype="float32", max_model_len=128, block_size=16, enable_prefix_c
 # float16 products (GPTQModel's CPU kernels, under transformers, compute GPTQ and AWQ in float16).
 TOLERANCE = {"w8a8-int": 1e-2, "fp8-tensor": 1e-4, "fp8-channel": 1e-4, "gptq": 5e-3, "awq": 5e-3}
 BLOCK_KINDS = {"w4a16-group-asym": "Q4_1", "w4a16-group-sym": "Q4_0", "w4a16-channel-asym": "Q4_1",
-               "w8a16-channel-sym": "Q8_0", "w8a8-int": "Q8_0", "fp8-tensor": None, "fp8-channel": None,
+               "w8a16-channel-sym": "Q8_0", "w8a8-int": "Q8_0", "fp8-tensor": "F8_E4M3", "fp8-channel": "F8_E4M3",
                "gptq-desc_act-asym": "Q4_1", "gptq-sym": "Q4_0", "awq": "Q4_1"}
 
 Result = list[tuple[list[int], list[dict[int, float]]]]
@@ -112,11 +112,24 @@ def test_input_changing_formats_under_the_skinny_plan(formats: dict[str, Path], 
     assert check_logprobs_close(reference(name, formats[name]), ours, name) <= 1
 
 
+@pytest.mark.parametrize("name", ["fp8-tensor", "fp8-channel"])
+def test_fp8_through_its_block_kernel(formats: dict[str, Path], name: str, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every linear planned to `packed`, the block kernel on the F8_E4M3 blocks (no float copy): on the tiny shapes
+    a timed plan may give some rows to a float kernel on a dequantized copy instead."""
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
+    plan = GemmPlan(tuple("packed" for _ in ROW_BUCKETS))
+    monkeypatch.setattr(gemm_plans, "time_kernels", lambda layers: (plan, {}))
+    ours, expected = run(formats[name]), reference(name, formats[name])
+    assert check_logprobs_close(expected, ours, name) <= 1
+    assert max_logprob_difference(expected, ours) < TOLERANCE[name]
+
+
 @pytest.mark.usefixtures("model_parallel_of_one")
 @pytest.mark.parametrize("name", list(BLOCK_KINDS))
 def test_format_loads_into_block_kernels(formats: dict[str, Path], name: str) -> None:
-    """Every linear holds the blocks the mapping names (raylm's packed kernels), not a float copy; FP8 holds its
-    dequantized float weight; GPTQ in activation order keeps its input permutation."""
+    """Every linear holds the blocks the mapping names (raylm's packed kernels), not a float copy, FP8 its E4M3
+    bytes (F8_E4M3: one byte a weight); GPTQ in activation order keeps its input permutation."""
     info = read_model_info(str(formats[name]))
     quantization = "gptq" if name.startswith("gptq") else "awq" if name == "awq" else "compressed-tensors"
     model = load_model(formats[name], info.hf_config, quantization=quantization)
@@ -124,7 +137,6 @@ def test_format_loads_into_block_kernels(formats: dict[str, Path], name: str) ->
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear.quant_method, CheckpointQuantMethod)
         fmt = linear.weight.quant_format
-        assert (fmt.name if fmt is not None else None) == BLOCK_KINDS[name]
-        assert linear.weight.dtype == (torch.uint8 if fmt is not None else torch.float32)
+        assert fmt is not None and fmt.name == BLOCK_KINDS[name] and linear.weight.dtype == torch.uint8
         assert (linear.input_perm is not None) == (name == "gptq-desc_act-asym")
 

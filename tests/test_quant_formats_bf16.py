@@ -16,6 +16,7 @@ from raylm.configs import model_info
 from raylm.configs.model_info import read_model_info
 from raylm.runner.layers.cpu_gemm import BLOCK_KERNELS
 from raylm.runner.layers.quantization import kernels
+from raylm.runner.layers.quantization.ggml_blocks import F8_E4M3
 from raylm.runner.models.loader import load_model
 from tests.quant_format_checkpoints import greedy, write_compressed_tensors, write_gptq
 from tests.reference import TOP_K, check_logprobs_close
@@ -80,3 +81,20 @@ def test_no_float_copy_where_amx_runs(formats: dict[str, Path], name: str) -> No
                 assert linear.dequantized is None and not float_kernels, linear.gemm_plan
             else:
                 assert (linear.dequantized is not None) == bool(float_kernels), linear.gemm_plan
+
+
+@pytest.mark.usefixtures("model_parallel_of_one")
+def test_fp8_blocks_never_plan_the_int8_kernel(formats: dict[str, Path]) -> None:
+    """FP8 linears keep their F8_E4M3 blocks in bfloat16 too; E4M3 values are not integers, so the int8-dot kernel
+    (offered to an int4 layer here) is never a candidate of their plan."""
+    int8 = kernels.int8_kernels_for(torch.device("cpu"), torch.bfloat16) is not None
+    for name in ("fp8-channel", "w4a16-group-asym"):
+        info = read_model_info(str(formats[name]))
+        model = load_model(formats[name], info.hf_config, dtype=torch.bfloat16, quantization=QUANTIZATION[name])
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                fp8 = linear.weight.quant_format is F8_E4M3
+                assert fp8 == (name == "fp8-channel") and linear.gemm_plan is not None
+                assert (linear.int8_matmul is not None) == (int8 and not fp8)
+                assert not (fp8 and "packed_int8" in linear.gemm_plan.kernels), linear.gemm_plan

@@ -1,6 +1,6 @@
 """The tensors of a quantized checkpoint (compressed-tensors, GPTQ, AWQ) gathered per linear and repacked into one
-`<module>.weight` (raylm blocks, or a float weight for FP8), so the models' load_weights match them to parameters as
-any other weight. A linear missing one of its format's tensors is refused naming the tensor."""
+`<module>.weight` (raylm blocks: ggml's, or F8_E4M3 for FP8), so the models' load_weights match them to parameters
+as any other weight. A linear missing one of its format's tensors is refused naming the tensor."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator

@@ -1,14 +1,16 @@
 """`quantization: compressed-tensors | gptq | awq`: a checkpoint quantized as shipped (configs/quant_formats.py reads
 its scheme) runs through the block kernels of BlockQuantMethod, in the same timed GEMM plan as `int4` / `gguf`.
 
-Each linear's checkpoint tensors are repacked into Q4_0 / Q4_1 / Q8_0 blocks at load (checkpoint_repack.py), so TP
-shards them as it shards a GGUF file's blocks (rows for column parallel, whole blocks for row parallel). Besides:
+Each linear's checkpoint tensors are repacked into Q4_0 / Q4_1 / Q8_0 blocks at load, FP8 weights into raylm's
+F8_E4M3 blocks (checkpoint_repack.py), so TP shards them as it shards a GGUF file's blocks (rows for column parallel,
+whole blocks for row parallel). Besides:
 - activation order (GPTQ desc_act, compressed-tensors actorder group): the weight's input channels were permuted
   into group order at load; x is permuted the same way before the kernel (one index_select per layer call).
 - W8A8 int8 and FP8 with dynamic per-token activations: x is quantized and dequantized per token, as
   compressed-tensors computes it (scale = max |x| / (q_max - q_min) * 2, rounded to int8 or cast to FP8), then
-  multiplied in float: the same numbers an int8 / FP8 GEMM would sum. FP8 weights are dequantized at load (no CPU
-  kernel takes FP8; their float values are exact in float32) and run by the float kernels.
+  multiplied in float: the same numbers an int8 / FP8 GEMM would sum. FP8 weights stay one byte a weight in their
+  F8_E4M3 blocks, which the block kernels decode to exact float32 E4M3 values (bfloat16 on AMX tiles); the
+  int8-dot kernel (`packed_int8`) is never planned for them, its integer products cannot take E4M3 values.
 """
 from __future__ import annotations
 

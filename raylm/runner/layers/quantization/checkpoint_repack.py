@@ -1,5 +1,5 @@
-"""A quantized checkpoint's tensors of one linear (compressed-tensors, GPTQ, AWQ) -> the ggml blocks raylm's kernels
-run, once at load. The mapping is exact up to float16 scales (the blocks' scale type):
+"""A quantized checkpoint's tensors of one linear (compressed-tensors, GPTQ, AWQ) -> the blocks raylm's kernels
+run, once at load. The mapping to ggml's blocks is exact up to float16 scales (their scale type):
 
 - 4-bit symmetric (w = s * (q - 8), q unsigned): Q4_0 with d = s.
 - 4-bit with zero points (w = s * (q - z)): Q4_1 with d = s and m = -s * z (m rounded to float16: at most 2^-11 of
@@ -8,8 +8,9 @@ run, once at load. The mapping is exact up to float16 scales (the blocks' scale 
 A group of g (a multiple of 32) input features becomes g / 32 blocks that each repeat the group's scale (and zero); a
 channel or tensor scale repeats over every block of its row. GPTQ's activation order (g_idx not in input order) is
 made input order by permuting the input channels once here; the layer then permutes x the same way (`input_perm`).
-FP8 has no block kernel of the same numbers: it is dequantized here (fp8 value x scale, exact in float32) to a float
-weight in the compute dtype."""
+- FP8 (E4M3 weights, a float32 scale per channel or for the tensor): raylm's F8_E4M3 blocks, the E4M3 bytes as
+  stored and the row's scale repeated in each block, exactly (a float16 or bfloat16 scale widens to float32 exactly).
+  The weight stays one byte a weight (plus 4 a block), decoded to the same float32 products fp8 x scale as before."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from raylm.configs.quant_formats import CheckpointQuant
-from raylm.runner.layers.quantization.ggml_blocks import BLOCK_SIZE, Q4_0, Q4_1, Q8_0, QuantizedTensor
+from raylm.runner.layers.quantization.ggml_blocks import (
+    BLOCK_SIZE,
+    F8_E4M3,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    QuantizedTensor,
+    pack_fp8,
+)
 
 _AWQ_COLUMNS = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])  # AWQ's GEMM layout packs columns 0,2,4,6,1,3,5,7 per word
 
@@ -100,8 +109,8 @@ def group_order(name: str, g_idx: torch.Tensor, group_size: int | None, in_featu
     return perm, runs[::BLOCK_SIZE]
 
 
-def repack(prefix: str, tensors: dict[str, torch.Tensor], quant: CheckpointQuant) -> QuantizedTensor | torch.Tensor:
-    """One linear's checkpoint tensors (by suffix) -> blocks, or a float weight for FP8."""
+def repack(prefix: str, tensors: dict[str, torch.Tensor], quant: CheckpointQuant) -> RepackedTensor:
+    """One linear's checkpoint tensors (by suffix) -> blocks."""
     if quant.method == "gptq":
         return _gptq(prefix, tensors, quant)
     if quant.method == "awq":
@@ -115,7 +124,10 @@ def repack(prefix: str, tensors: dict[str, torch.Tensor], quant: CheckpointQuant
         if scale.shape[0] not in (1, rows):
             raise ValueError(f"checkpoint tensor {prefix}.weight_scale has shape {tuple(tensors['weight_scale'].shape)}"
                              f": a weight of {rows} rows needs one scale per row or one for the tensor")
-        return weight.to(torch.float32) * scale
+        if in_features % BLOCK_SIZE:
+            raise ValueError(f"checkpoint tensor {prefix}.weight: {in_features} input features are not whole "
+                             f"{BLOCK_SIZE}-weight blocks")
+        return RepackedTensor(prefix, pack_fp8(weight, scale), F8_E4M3, f"{F8_E4M3.name} from {prefix}")
     zero = tensors.get("weight_zero_point")
     if zero is not None and bool(zero.any()):
         raise ValueError(f"checkpoint tensor {prefix}.weight_zero_point is not zero: raylm's int8 blocks have none")
