@@ -11,7 +11,12 @@ from raylm.cluster.core.scheduler import Scheduler
 from raylm.cluster.engine.config_resolver import resolve_engine_config
 from raylm.configs import make_engine_config
 from raylm.configs.engine_config import CacheConfig, SchedulerConfig
-from raylm.configs.scheduler_defaults import CPU_SERVING_PREFILL_TOKENS, UsageContext, resolve_scheduler_config
+from raylm.configs.scheduler_defaults import (
+    CPU_SERVING_PREFILL_TOKENS,
+    CPU_SERVING_PREFILL_TOKENS_FLOAT32,
+    UsageContext,
+    resolve_scheduler_config,
+)
 from tests.test_scheduler import BLOCK_SIZE, FakeRunner, expected_tokens, make_request, run, step
 
 
@@ -71,25 +76,28 @@ def test_the_chunk_needs_chunked_prefill() -> None:
         SchedulerConfig(max_prefill_tokens_with_decodes=64, enable_chunked_prefill=False)
 
 
-@pytest.mark.parametrize(("given", "device", "usage_context", "chunked", "resolved"), [
-    (None, "cpu", "openai_api_server", True, CPU_SERVING_PREFILL_TOKENS),
-    (None, "cpu", "llm_class", True, 0),  # an offline batch fills its decode batch first
-    (None, "cpu", "openai_batch_runner", True, 0),
-    (None, "cuda", "openai_api_server", True, 0),
-    (None, "cpu", "openai_api_server", False, 0),  # a prompt must then fit one step whole
-    (16, "cuda", "llm_class", True, 16),  # the user's choice stands
-    (0, "cpu", "openai_api_server", True, 0),
+@pytest.mark.parametrize(("given", "device", "dtype", "usage_context", "chunked", "resolved"), [
+    (None, "cpu", "bfloat16", "openai_api_server", True, CPU_SERVING_PREFILL_TOKENS),
+    (None, "cpu", "float32", "openai_api_server", True, CPU_SERVING_PREFILL_TOKENS_FLOAT32),
+    (None, "cpu", "float32", "llm_class", True, 0),  # an offline batch fills its decode batch first
+    (None, "cpu", "bfloat16", "openai_batch_runner", True, 0),
+    (None, "cuda", "bfloat16", "openai_api_server", True, 0),
+    (None, "cpu", "float32", "openai_api_server", False, 0),  # a prompt must then fit one step whole
+    (16, "cuda", "bfloat16", "llm_class", True, 16),  # the user's choice stands
+    (0, "cpu", "float32", "openai_api_server", True, 0),
 ])
-def test_default(given: int | None, device: str, usage_context: UsageContext, chunked: bool, resolved: int) -> None:
+def test_default(given: int | None, device: str, dtype: str, usage_context: UsageContext, chunked: bool,
+                 resolved: int) -> None:
     config = SchedulerConfig(max_prefill_tokens_with_decodes=given, enable_chunked_prefill=chunked,
                              max_num_batched_tokens=8192)
-    assert resolve_scheduler_config(config, device, usage_context).max_prefill_tokens_with_decodes == resolved
+    assert resolve_scheduler_config(config, device, dtype, usage_context).max_prefill_tokens_with_decodes == resolved
 
 
 def test_resolution_decides_the_default_for_its_entrypoint(llama_path: Path) -> None:
-    """The engine's resolution passes its entrypoint on: a server's engine gets the CPU chunk, an LLM's does not."""
+    """The engine's resolution passes its entrypoint and dtype on: a server's engine gets the CPU chunk (float32's, the
+    tiny checkpoint's dtype), an LLM's none."""
     settings = make_engine_config(model=str(llama_path), device="cpu")
     served = resolve_engine_config(settings, "openai_api_server").scheduler_config
     offline = resolve_engine_config(settings, "llm_class").scheduler_config
     assert (served.max_prefill_tokens_with_decodes, offline.max_prefill_tokens_with_decodes) == (
-        CPU_SERVING_PREFILL_TOKENS, 0)
+        CPU_SERVING_PREFILL_TOKENS_FLOAT32, 0)

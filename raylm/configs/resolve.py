@@ -135,7 +135,7 @@ def resolve_config(config: EngineConfig, model_info: ModelInfo, env: Environment
         model_config=model_config.model_copy(update={
             "max_model_len": max_model_len, "tokenizer": model_config.tokenizer or model_config.model}),
         scheduler_config=resolve_scheduler_config(
-            scheduler.model_copy(update={"async_scheduling": scheduler.async_scheduling and pp == 1}), device,
+            scheduler.model_copy(update={"async_scheduling": scheduler.async_scheduling and pp == 1}), device, dtype,
             usage_context),
         speculative_config=speculative,
         kv_transfer_config=kv_transfer,
