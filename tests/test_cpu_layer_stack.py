@@ -86,13 +86,15 @@ def test_stacked_steps_equal_the_module_path_bit_for_bit(arch: str, schedule: st
 def test_quantized_layers_stack_bit_for_bit(arch: str, dtype: str, checkpoints: dict[str, Path], tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch, stack_rows: list[int]) -> None:
     """Layers quantized to blocks (int4) take the stack through their block kernels: int8 activations at 1-2 rows
-    and AMX tiles at 3-16 (bfloat16; where the CPU has AMX), the float32 decode of blocks in registers elsewhere up to
-    64 rows, and a kernel the stack cannot call past them; the same tokens and logprobs as the module path."""
+    and AMX tiles or else AVX512-BF16 dot products at 3-16 (bfloat16; where the CPU has them), the float32 decode of
+    blocks in registers elsewhere up to 64 rows, and a kernel the stack cannot call past them; the same tokens and
+    logprobs as the module path."""
     quant_ops = block_kernels.load()
     if quant_ops is None:
         pytest.skip("the quantized kernels could not be built")
     few = "packed_int8" if dtype == "bfloat16" else "packed"
-    mid = "amx" if dtype == "bfloat16" and quant_ops.amx_available() else "packed"
+    mid = ("amx" if dtype == "bfloat16" and quant_ops.amx_available()
+           else "packed_bf16" if dtype == "bfloat16" and quant_ops.bf16_dot_available() else "packed")
     plan = GemmPlan(tuple(few if rows <= 2 else mid if rows <= 16 else "packed" if rows <= 64 else "onednn"
                           for rows in ROW_BUCKETS))
     monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
@@ -154,6 +156,8 @@ LINEAR_KERNELS = {
     "amx": ("amx", "amx", "amx", "skinny"),
     "packed_fp8": ("packed", "skinny", "packed", "packed"),
     "amx_fp8": ("amx", "amx", "amx", "skinny"),
+    "packed_bf16": ("packed_bf16", "packed_bf16", "skinny", "packed_bf16"),
+    "packed_bf16_fp8": ("packed_bf16", "skinny", "packed_bf16", "packed_bf16"),
 }
 
 
@@ -166,6 +170,8 @@ def python_linear(ops: Any, quant_ops: Any, kernel: str, fmt: BlockFormat) -> Li
             x.float(), w, fmt, None if bias is None else bias.float(), quant_ops).to(x.dtype)
     if kernel == "packed_int8":
         return lambda x, w, n, bias: block_kernels.int8_linear(x, w, fmt, bias, quant_ops)
+    if kernel == "packed_bf16":
+        return lambda x, w, n, bias: block_kernels.bf16_linear(x, w, fmt, bias, quant_ops)
     return lambda x, w, n, bias: block_kernels.amx_linear(x, w, fmt, bias, quant_ops)
 
 
@@ -179,7 +185,7 @@ def test_decoder_layers_make_the_same_kernel_calls(kernels: str, build: str, fir
     pipeline stage's residual included, in this CPU's build and the AVX2 one (8-float registers, 4-row passes; in
     bfloat16 the AVX2 build widens the weights' pairs where the native one may multiply them with AVX512-BF16); and
     with quantized linears, each block kernel through the quantized kernels' library as the layer's Python path
-    calls it (int8 activations and AMX tiles for bfloat16 only, as the layers use them)."""
+    calls it (int8 activations, AMX tiles and AVX512-BF16 dot products for bfloat16 only, as the layers use them)."""
     ops = cpu_kernels.load() if build == "native" else cpu_kernels.load_avx2()
     if ops is None:
         pytest.skip("no AVX2 + FMA here, or the kernels could not be built")
@@ -187,10 +193,12 @@ def test_decoder_layers_make_the_same_kernel_calls(kernels: str, build: str, fir
     quant_ops = block_kernels.load()
     if kernels != "skinny" and quant_ops is None:
         pytest.skip("the quantized kernels could not be built")
-    if kernels in ("packed_int8", "amx", "amx_fp8") and dtype != torch.bfloat16:
-        pytest.skip("int8 activations and AMX tiles run bfloat16 activations only")
+    if kernels in ("packed_int8", "amx", "amx_fp8", "packed_bf16", "packed_bf16_fp8") and dtype != torch.bfloat16:
+        pytest.skip("int8 activations, AMX tiles and bfloat16 dot products run bfloat16 activations only")
     if kernels.startswith("amx") and not (quant_ops is not None and quant_ops.amx_available()):
         pytest.skip("no AMX-BF16 here")
+    if kernels.startswith("packed_bf16") and not (quant_ops is not None and quant_ops.bf16_dot_available()):
+        pytest.skip("no AVX512-BF16 in the quantized kernels' build here")
     gen = torch.Generator().manual_seed(0)
     dims = [4, 2, 16, 16, 64, 96]  # heads, KV heads, head size, rotary dims, hidden, intermediate
     num_heads, num_kv_heads, head_size, _, hidden_size, intermediate = dims

@@ -110,6 +110,44 @@ def test_amx_needs_its_build_and_bfloat16() -> None:
     assert kernels.amx_kernels_for(torch.device("cpu"), torch.float32) is None
 
 
+BF16_SHAPES = [(1, 32, 32), (5, 37, 96), (8, 64, 576), (9, 17, 64), (16, 64, 576), (17, 96, 160), (40, 33, 64),
+               (70, 130, 288), (300, 40, 96)]
+
+
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("way", ["direct", "panels"])
+@pytest.mark.parametrize(("m", "n", "k"), BF16_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in BF16_SHAPES])
+def test_bf16_dot_path_equals_dequantize_then_matmul_in_bfloat16(fmt: BlockFormat, way: str, m: int, n: int,
+                                                                  k: int) -> None:
+    """The AVX512-BF16 kernel both ways (blocks decoded in registers for every row; panels of 16 decoded rows against
+    x packed in pairs: one group of 16 rows and pairs of them, the last short, 256-row passes and a short one), a
+    last panel cut short, with and without bias. Like the AMX kernel it multiplies the weights the bfloat16 copy
+    holds, so it differs from that product by summation order and the final rounding only."""
+    ops = kernels.bf16_dot_kernels_for(torch.device("cpu"), torch.bfloat16)
+    if ops is None:
+        pytest.skip("no AVX512-BF16 in this build (the block kernel and the float kernels cover this CPU)")
+    packed = quantize(_weight(n, k, seed=n + k), fmt)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    bias = torch.randn(n) if m % 2 else None
+    y = ops.block_gemm_bf16(x, packed, fmt.ggml_type, n, bias, max_direct_rows=m if way == "direct" else 0)
+    copy = dequantize(packed, fmt).bfloat16().double()
+    reference = x.double() @ copy.T + (0 if bias is None else bias.double())
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    torch.testing.assert_close(y.double(), reference, rtol=2**-7, atol=2**-7 * reference.abs().max().item())
+
+
+def test_bf16_dot_needs_its_build_and_bfloat16() -> None:
+    """Builds whose compiler did not target AVX512-BF16 (the AVX2 and portable ones, as on a CPU without it) have no
+    such kernel and refuse the call by name, so plans never time `packed_bf16` there; float32 activations never
+    take it."""
+    for build in (kernels.load(portable=True), kernels.load(isa="avx2")):
+        assert build is not None and not build.bf16_dot_available()
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            build.block_gemm_bf16(torch.zeros(1, 32).bfloat16(), quantize(torch.ones(1, 32), F8_E4M3),
+                                  F8_E4M3.ggml_type, 1, None, 8)
+    assert kernels.bf16_dot_kernels_for(torch.device("cpu"), torch.float32) is None
+
+
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
 def test_rows_lookup(fmt: BlockFormat) -> None:
     packed = quantize(_weight(37, 96, seed=2), fmt)

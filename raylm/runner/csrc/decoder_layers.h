@@ -21,7 +21,7 @@ constexpr size_t kLayerLinears = 4;
 // The kernel a linear of the stack runs. The block kernels live in the quantized kernels' library
 // (csrc/quant/block_gemm.cpp), built apart; the stack calls them through the address of its `stack_linear`, which
 // takes these numbers. cpu_layer_stack.py's STACK_KERNELS names them.
-enum LinearKernel : int64_t { kSkinny = 0, kPacked = 1, kPackedInt8 = 2, kAmx = 3 };
+enum LinearKernel : int64_t { kSkinny = 0, kPacked = 1, kPackedInt8 = 2, kAmx = 3, kPackedBf16 = 4 };
 using QuantLinear = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& w, int64_t kernel, int64_t qtype,
                                       int64_t n, const c10::optional<torch::Tensor>& bias, int64_t max_direct_rows);
 

@@ -39,10 +39,10 @@ ROW_BUCKETS = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024
 
 FLOAT_KERNELS = ("sgemm", "onednn", "skinny")
 # A block-quantized layer's own kernels: `packed` decodes blocks in registers (float32), `packed_int8` multiplies int8 x
-# by the blocks' integers (bfloat16 activations), `amx` decodes panels to bfloat16 for AMX's tile products (bfloat16
-# activations on a CPU with AMX-BF16).
-BLOCK_KERNELS = frozenset({"packed", "packed_int8", "amx"})
-KERNELS = (*FLOAT_KERNELS, "packed", "packed_int8", "amx")
+# by the blocks' integers (bfloat16 activations), `amx` decodes panels to bfloat16 for AMX's tile products and
+# `packed_bf16` decodes blocks to bfloat16 for AVX512-BF16's dot products (bfloat16 activations on a CPU with them).
+BLOCK_KERNELS = frozenset({"packed", "packed_int8", "amx", "packed_bf16"})
+KERNELS = (*FLOAT_KERNELS, "packed", "packed_int8", "amx", "packed_bf16")
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class CpuGemmMixin:
     block_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     amx_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # where AMX runs here
     int8_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # bfloat16 activations
+    bf16_matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None  # where AVX512-BF16 runs
     dequantized: torch.Tensor | None = None
     params_dtype: torch.dtype  # a quantized layer's activations (the model's dtype), set with block_matmul
     in_features_per_partition: int  # a quantized layer's (its blocks' bytes do not show it), set at creation
@@ -138,6 +139,8 @@ class CpuGemmMixin:
         if self.block_matmul is not None:
             if kernel == "amx" and self.amx_matmul is not None and x.dtype == torch.bfloat16:
                 return self.amx_matmul(x, bias)
+            if kernel == "packed_bf16" and self.bf16_matmul is not None and x.dtype == torch.bfloat16:
+                return self.bf16_matmul(x, bias)
             if kernel == "packed_int8" and self.int8_matmul is not None:
                 return self.int8_matmul(x, bias)
             if kernel in BLOCK_KERNELS or self.dequantized is None:

@@ -160,10 +160,13 @@ def _best_seconds(x: torch.Tensor, layers: list[CpuGemmMixin], bias: torch.Tenso
         calls["skinny"] = lambda layer, weight, packed, skinny: cast_out(
             ops.skinny_linear(cast_in(), skinny, out_features, float_bias))
     if quantized:
-        # Timed only for quantized layers, each of which has its block_matmul (and its amx_matmul where AMX runs).
+        # Timed only for quantized layers, each of which has its block_matmul (and its amx_matmul, bf16_matmul where
+        # the CPU has AMX, AVX512-BF16).
         calls["packed"] = lambda layer, weight, packed, skinny: layer.block_matmul(x, bias)  # type: ignore[misc]
         if layers[0].amx_matmul is not None:
             calls["amx"] = lambda layer, weight, packed, skinny: layer.amx_matmul(x, bias)  # type: ignore[misc]
+        if layers[0].bf16_matmul is not None:
+            calls["packed_bf16"] = lambda layer, weight, packed, skinny: layer.bf16_matmul(x, bias)  # type: ignore[misc]
         if layers[0].int8_matmul is not None and x.shape[0] <= _COLD_MAX_ROWS:  # a few-row kernel
             calls["packed_int8"] = lambda layer, weight, packed, skinny: layer.int8_matmul(x, bias)  # type: ignore[misc]
     best = {name: float("inf") for name in calls}

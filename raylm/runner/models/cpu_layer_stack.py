@@ -1,6 +1,6 @@
 """The decoder layers of a CPU step in one kernel call (`csrc/decoder_layers.h`), where every linear of the step
 takes a kernel the call can run: the skinny kernel on float weights, or a quantized layer's block kernels (`packed`,
-`packed_int8`, `amx`) on its blocks.
+`packed_int8`, `amx`, `packed_bf16`) on its blocks.
 
 The call runs the kernels LlamaDecoderLayer.forward runs, in the same order on the same tensors (float32 or bfloat16,
 the model's dtype: the kernels take both), so its output is bit-identical; what it saves is the Python between them
@@ -33,7 +33,7 @@ from raylm.runner.parallel_state import get_tp_group
 logger = logging.getLogger(__name__)
 
 # The kernels the call can run, by their plan names, as decoder_layers.h's LinearKernel numbers them.
-STACK_KERNELS = {"skinny": 0, "packed": 1, "packed_int8": 2, "amx": 3}
+STACK_KERNELS = {"skinny": 0, "packed": 1, "packed_int8": 2, "amx": 3, "packed_bf16": 4}
 
 
 def stack_kernels(linear: LinearBase, dtype: torch.dtype) -> frozenset[str]:
@@ -50,6 +50,8 @@ def stack_kernels(linear: LinearBase, dtype: torch.dtype) -> frozenset[str]:
         runnable.add("packed_int8")
     if linear.amx_matmul is not None and dtype == torch.bfloat16:
         runnable.add("amx")
+    if linear.bf16_matmul is not None and dtype == torch.bfloat16:
+        runnable.add("packed_bf16")
     return frozenset(runnable)
 
 

@@ -1,5 +1,5 @@
 // y = x W^T for bfloat16 x [M, K] and W [N, K] in blocks (block_formats.h), on AMX tiles: each panel of 32 weight
-// rows is decoded once to bfloat16 (amx_blocks.h) into a buffer that stays in L1/L2, then multiplied by every row of x
+// rows is decoded once to bfloat16 (bf16_blocks.h) into a buffer that stays in L1/L2, then multiplied by every row of x
 // with AMX's bfloat16 tile products (float32 sums). It reads the blocks (0.56-1.13 bytes a weight) instead of a
 // bfloat16 copy (2 bytes); the GEMM plan times it against oneDNN on that copy per shape and batch
 // (docs/cpu-performance.md has the figures).
@@ -19,7 +19,7 @@
 #include <cstring>
 #include <vector>
 
-#include "amx_blocks.h"
+#include "bf16_blocks.h"
 #include "block_formats.h"
 #include "transpose16.h"
 
@@ -74,16 +74,16 @@ void decode_panel(const uint8_t* w, int64_t nblocks, int64_t n, int64_t n0, uint
       continue;
     }
     const uint8_t* row = w + (n0 + i) * row_bytes;
-    if constexpr (AmxBlock<B>::kLookup) {
+    if constexpr (Bf16Block<B>::kLookup) {
       float* offsets = scales + nblocks;
-      AmxBlock<B>::scales(row, nblocks, scales, offsets);
+      Bf16Block<B>::scales(row, nblocks, scales, offsets);
       for (int64_t blk = 0; blk < nblocks; ++blk) {
         _mm512_storeu_si512(dst + blk * kBlock,
-                            lookup_block(row + blk * B::kBytes + AmxBlock<B>::kValues, scales[blk], offsets[blk]));
+                            lookup_block(row + blk * B::kBytes + Bf16Block<B>::kValues, scales[blk], offsets[blk]));
       }
     } else {
       for (int64_t blk = 0; blk < nblocks; ++blk) {
-        _mm512_storeu_si512(dst + blk * kBlock, AmxBlock<B>::decode(row + blk * B::kBytes));
+        _mm512_storeu_si512(dst + blk * kBlock, Bf16Block<B>::decode(row + blk * B::kBytes));
       }
     }
   }
@@ -169,7 +169,7 @@ constexpr int64_t kGroupPanels = 8;
 template <class B>
 void amx_gemm(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, uint16_t* y) {
   const int64_t kblocks = k / kBlock, xblocks = (m + kTile - 1) / kTile;
-  const torch::Tensor packed_x = pack_x(x, m, k, xblocks, AmxBlock<B>::kLookup);
+  const torch::Tensor packed_x = pack_x(x, m, k, xblocks, Bf16Block<B>::kLookup);
   const uint32_t* packed = reinterpret_cast<const uint32_t*>(packed_x.data_ptr<int32_t>());
   const int64_t btile = kTile * kTile, panels = (n + kPanel - 1) / kPanel;
   // One panel a group where x is a pair of blocks or less (nothing to reuse); else each thread's share of panels in

@@ -4,7 +4,8 @@
 // Few rows (decode): every block is decoded in registers once and used by all rows of x; many rows (prefill): tiles
 // of W are decoded to float32 once into a buffer that stays in cache and multiplied by ATen's sgemm.
 // Plain C++ for the compiler to vectorize (-O3 -march=native), with AVX2 intrinsics for the decode where present.
-// block_gemm_int8 is the few-row kernel on int8 x (int8_dot.h), a GEMM plan candidate for bfloat16 activations.
+// block_gemm_int8 is the few-row kernel on int8 x (int8_dot.h), block_gemm_bf16 its bfloat16 one (bf16_gemm.h) and
+// block_gemm_amx the AMX one (amx_gemm.h): GEMM plan candidates for bfloat16 activations.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -16,6 +17,7 @@
 #include "amx_gemm.h"
 #include "block_formats.h"
 #include "int8_dot.h"
+#include "bf16_gemm.h"
 
 namespace raylm {
 namespace {
@@ -216,6 +218,41 @@ torch::Tensor block_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int
   TORCH_CHECK(false, "ggml type ", qtype, " has no AMX kernel");
 }
 
+// y = x W^T (+ bias) by AVX512-BF16's dot products on blocks decoded to bfloat16 (bf16_gemm.h): x bfloat16 [m, k],
+// bias float32 [n] or None, y bfloat16 [m, n]; batches of up to max_direct_rows rows (kMaxDirectRowsBf16 unless a
+// test asks otherwise) decode blocks in registers.
+torch::Tensor block_gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
+                              const c10::optional<torch::Tensor>& bias, int64_t max_direct_rows) {
+  TORCH_CHECK(quant::bf16_dot_available(), "this build has no AVX512-BF16 dot products (check bf16_dot_available())");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous 2-D bfloat16 CPU tensor");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
+                  w.size(0) == n,
+              "the weight must be a contiguous 2-D uint8 CPU tensor of ", n, " rows of blocks");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "in_features ", k, " is not a multiple of the ", kBlock, "-weight block");
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n),
+              "bias must be a contiguous float32 tensor of ", n, " values");
+  torch::Tensor y = torch::empty({m, n}, x.options());
+#ifdef RAYLM_BF16_BLOCKS
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint8_t* ws = w.data_ptr<uint8_t>();
+  const auto rows_hold = [&](int64_t bytes, const char* name) {
+    TORCH_CHECK(w.size(1) == k / kBlock * bytes, "weight rows do not hold ", k, " ", name, " weights");
+  };
+  switch (qtype) {
+    case 2: rows_hold(Q4_0::kBytes, "Q4_0"); quant::bf16_gemm<Q4_0>(xs, m, k, ws, n, b, ys, max_direct_rows); return y;
+    case 3: rows_hold(Q4_1::kBytes, "Q4_1"); quant::bf16_gemm<Q4_1>(xs, m, k, ws, n, b, ys, max_direct_rows); return y;
+    case 8: rows_hold(Q8_0::kBytes, "Q8_0"); quant::bf16_gemm<Q8_0>(xs, m, k, ws, n, b, ys, max_direct_rows); return y;
+    case kF8E4M3: rows_hold(F8_E4M3::kBytes, "F8_E4M3");
+                  quant::bf16_gemm<F8_E4M3>(xs, m, k, ws, n, b, ys, max_direct_rows); return y;
+  }
+#endif
+  TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
+}
+
 // Rows `rows` of W as float32 [len(rows), k]: the embedding lookup of a quantized table.
 torch::Tensor block_dequantize(const torch::Tensor& w, const torch::Tensor& rows, int64_t qtype, int64_t k) {
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && rows.scalar_type() == torch::kInt64 &&
@@ -232,16 +269,20 @@ torch::Tensor block_dequantize(const torch::Tensor& w, const torch::Tensor& rows
 
 // The CPU layer stack's call into these kernels (cpu_kernels' decoder_layers.h, a separate library, holds its
 // address; the two are built from the same torch headers): y = x W^T (+ bias) in x's dtype, by `kernel` 1 `packed`,
-// 2 `packed_int8` or 3 `amx` (decoder_layers.h's LinearKernel), with the casts and bias add the layer's path makes
-// around the same kernel (quantization/kernels.py), so the stacked layers equal it bit for bit.
+// 2 `packed_int8`, 3 `amx` or 4 `packed_bf16` (decoder_layers.h's LinearKernel), with the casts and bias add the
+// layer's path makes around the same kernel (quantization/kernels.py), so the stacked layers equal it bit for bit.
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t kernel, int64_t qtype, int64_t n,
                            const c10::optional<torch::Tensor>& bias, int64_t max_direct_rows) {
   if (kernel == 3) {
     return block_gemm_amx(x, w, qtype, n,
                           bias ? c10::optional<torch::Tensor>(bias->to(torch::kFloat)) : c10::nullopt);
   }
+  if (kernel == 4) {
+    return block_gemm_bf16(x, w, qtype, n, bias ? c10::optional<torch::Tensor>(bias->to(torch::kFloat)) : c10::nullopt,
+                           quant::kMaxDirectRowsBf16);
+  }
   TORCH_CHECK(kernel == 1 || kernel == 2, "stack_linear: kernel ", kernel,
-              " is not packed (1), packed_int8 (2) or amx (3)");
+              " is not packed (1), packed_int8 (2), amx (3) or packed_bf16 (4)");
   if (kernel == 2) return block_gemm_int8(x, w, qtype, n, bias);
   torch::Tensor y = block_gemm(x.to(torch::kFloat).contiguous(), w, qtype, n, max_direct_rows);
   if (bias) y.add_(*bias);
@@ -263,5 +304,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_gemm_amx", &raylm::block_gemm_amx, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(), kNoGil);
   m.def("amx_available", &raylm::quant::amx_available);
+  m.def("block_gemm_bf16", &raylm::block_gemm_bf16, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"),
+        pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::arg("max_direct_rows") = raylm::quant::kMaxDirectRowsBf16, kNoGil);
+  m.def("bf16_dot_available", &raylm::quant::bf16_dot_available);
   m.def("stack_linear_address", [] { return reinterpret_cast<int64_t>(&raylm::stack_linear); });
 }

@@ -45,6 +45,10 @@ class BlockQuantMethod(QuantizeMethodBase):
     is Any to mypy: a linear or embedding layer that this method gives attributes of its own (params_dtype,
     block_kernels, ...) besides CpuGemmMixin's."""
 
+    # Whether the weight keeps no float copy where AVX512-BF16's block kernel runs it (bfloat16 activations without
+    # AMX): the checkpoint formats' choice (checkpoint_formats.py). Where AMX runs, no quantized weight keeps one.
+    blocks_only_with_bf16_dot = False
+
     def __init__(self, fmt: BlockFormat | None) -> None:
         self.fmt = fmt
 
@@ -114,25 +118,33 @@ class BlockQuantMethod(QuantizeMethodBase):
         fmt = layer.weight.quant_format
         # Decided once per layer (device, dtype, custom_ops are fixed by now) rather than on every call.
         layer.block_kernels = kernels.kernels_for(layer.weight.device, layer.params_dtype)
-        layer.block_matmul, layer.amx_matmul, layer.int8_matmul, layer.dequantized = None, None, None, None
+        layer.block_matmul, layer.amx_matmul, layer.int8_matmul, layer.bf16_matmul = None, None, None, None
+        layer.dequantized = None
         ops = kernels.kernels_for(layer.weight.device, torch.float32)
         if fmt is not None and ops is not None and isinstance(layer, CpuGemmMixin):
-            # The block kernels (float32 in registers; bfloat16 on AMX tiles where the CPU has them) are candidates
-            # of the layer's GEMM plan. Where AMX runs they are the only ones: AMX came within ~10% of oneDNN's
-            # bfloat16 matmul on a copy or beat it on decoder shapes (docs/cpu-performance.md), so the weight stays
-            # in its blocks. Elsewhere the float kernels, faster from some tens of rows, run on a dequantized copy,
-            # made only while the plan is unknown (to time it) or picks them for some rows.
+            # The block kernels (float32 in registers; for bfloat16 activations int8 dot products, AMX tiles or
+            # AVX512-BF16 dot products where the CPU has them) are candidates of the layer's GEMM plan. Where AMX
+            # runs they are the only ones: AMX came within ~10% of oneDNN's bfloat16 matmul on a copy or beat it on
+            # decoder shapes (docs/cpu-performance.md), so the weight stays in its blocks; so it does where
+            # AVX512-BF16's kernel runs a checkpoint format's (blocks_only_with_bf16_dot). Elsewhere the float
+            # kernels, faster from some tens of rows, run on a dequantized copy, made only while the plan is unknown
+            # (to time it) or picks them for some rows.
             layer.block_matmul = lambda x, bias: kernels.block_linear(
                 x.float(), layer.weight, fmt, None if bias is None else bias.float(), ops).to(x.dtype)
             amx = kernels.amx_kernels_for(layer.weight.device, layer.params_dtype)
             if amx is not None:
                 layer.amx_matmul = lambda x, bias: kernels.amx_linear(x, layer.weight, fmt, bias, amx)
+            bf16 = kernels.bf16_dot_kernels_for(layer.weight.device, layer.params_dtype)
+            if bf16 is not None:
+                layer.bf16_matmul = lambda x, bias: kernels.bf16_linear(x, layer.weight, fmt, bias, bf16)
             int8 = kernels.int8_kernels_for(layer.weight.device, layer.params_dtype)
             if int8 is not None and fmt.integer:  # integer dot products: not F8_E4M3's E4M3 values
                 layer.int8_matmul = lambda x, bias: kernels.int8_linear(x, layer.weight, fmt, bias, int8)
             copy_dtype = dequantized_dtype(layer.params_dtype)
             plan = layer.gemm_plan
-            if amx is None and onednn_packs(copy_dtype) and (plan is None or not set(plan.kernels) <= BLOCK_KERNELS):
+            blocks_only = amx is not None or (bf16 is not None and self.blocks_only_with_bf16_dot)
+            planned_floats = plan is None or not set(plan.kernels) <= BLOCK_KERNELS
+            if not blocks_only and planned_floats and onednn_packs(copy_dtype):
                 layer.dequantized = dequantize(layer.weight.detach(), fmt).to(copy_dtype)
         if fmt is None or layer.block_matmul is not None:
             _FLOAT.process_weights_after_loading(layer)

@@ -4,13 +4,13 @@ once per machine like the other CPU kernels, or a dequantize-per-call path (plai
 On CPU in float32 a batch of up to MAX_DIRECT_ROWS rows decodes each block of 32 weights in registers, once for all
 rows, and multiplies the integers by x directly; a larger batch decodes tiles of 256 weight rows to float32 and runs
 torch's sgemm on each. For bfloat16 activations on a CPU with AMX-BF16, `amx_linear` decodes panels of 32 weight rows
-to bfloat16 in cache and multiplies them on AMX tiles (a candidate of the GEMM plan beside the block kernel and the
-float kernels on a dequantized copy). For bfloat16 activations `int8_linear`, llama.cpp's scheme for few rows, is
-another: x quantized to int8 per block of 32 once per call, integer dot products against the blocks' integers
-(AVX512-VNNI, AVX-VNNI or AVX2; `csrc/quant/int8_dot.h`); its rounding is of bfloat16's order, so float32 activations
-keep the exact kernels. torch's own weight-only ops (`_weight_int8pack_mm`,
-`_weight_int4pack_mm_for_cpu`) were slower than both on the CPUs measured (scripts/bench_quant_kernels.py), so they
-are not used.
+to bfloat16 in cache and multiplies them on AMX tiles; on one with AVX512-BF16, `bf16_linear` decodes blocks to
+bfloat16 for its dot products (vdpbf16ps): candidates of the GEMM plan beside the block kernel. For bfloat16
+activations `int8_linear`, llama.cpp's scheme for few rows, is another: x quantized to int8 per block of 32 once per
+call, integer dot products against the blocks' integers (AVX512-VNNI, AVX-VNNI or AVX2; `csrc/quant/int8_dot.h`); its
+rounding is of bfloat16's order, so float32 activations keep the exact kernels. torch's own weight-only ops
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were slower than both on the CPUs measured
+(scripts/bench_quant_kernels.py), so they are not used.
 
 On CUDA, where triton is installed, `triton_block_gemm` multiplies x by the blocks as they lie in device memory, each
 tile of W decoded in registers (float32, bfloat16 and float16 x). The dequantize-per-call path (CUDA without triton,
@@ -69,6 +69,15 @@ def amx_kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | No
     return ops if ops is not None and ops.amx_available() else None
 
 
+def bf16_dot_kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The kernels where their bfloat16 dot-product path runs activations of `dtype` on `device`: bfloat16 on a CPU
+    whose build has AVX512-BF16 (`bf16_dot_available`), custom ops on."""
+    if not cpu_kernels.is_enabled() or device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    ops = load()
+    return ops if ops is not None and ops.bf16_dot_available() else None
+
+
 def int8_kernels_for(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
     """The kernels where their integer path runs activations of `dtype` on `device`: bfloat16 on CPU (float32
     activations keep exact products), built, custom ops on."""
@@ -92,6 +101,15 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: to
     products summed in float32, y rounded to bfloat16 once (`csrc/quant/amx_gemm.h`)."""
     x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
     y = ops.block_gemm_amx(x2d, packed, fmt.ggml_type, packed.shape[0], None if bias is None else bias.float())
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None,
+                ops: ModuleType) -> torch.Tensor:
+    """y = x W^T (+ bias) for bfloat16 x by AVX512-BF16's dot products on W's blocks decoded to bfloat16 once per
+    call, the products summed in float32, y rounded to bfloat16 once (`csrc/quant/bf16_gemm.h`)."""
+    x2d = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+    y = ops.block_gemm_bf16(x2d, packed, fmt.ggml_type, packed.shape[0], None if bias is None else bias.float())
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.shape[0])
 
 

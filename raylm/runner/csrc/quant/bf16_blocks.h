@@ -1,15 +1,20 @@
-// The AMX kernel's decode of each block format to bfloat16 (amx_gemm.h multiplies what it gives): 4-bit blocks by a
-// table lookup, byte-a-weight blocks (Q8_0, F8_E4M3) widened to float32, scaled and rounded to bfloat16 once.
-// RAYLM_AMX is defined where the compiler targets AMX-BF16 (-march=native on a CPU with it).
+// Each block format decoded to bfloat16, for the kernels that multiply bfloat16 weights (amx_gemm.h on AMX tiles,
+// panel_gemm.h by AVX512-BF16's dot products): 4-bit blocks by a table lookup, byte-a-weight blocks (Q8_0, F8_E4M3)
+// widened to float32, scaled and rounded to bfloat16 once. RAYLM_BF16_BLOCKS is defined where the compiler targets
+// AVX512-BF16, RAYLM_AMX where it targets AMX-BF16 too (-march=native on a CPU with them).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(RAYLM_PORTABLE_KERNELS)
-#define RAYLM_AMX 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(RAYLM_PORTABLE_KERNELS)
+#define RAYLM_BF16_BLOCKS 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RAYLM_AMX 1
+#endif
 #endif
 
 #include "block_formats.h"
@@ -17,7 +22,10 @@
 namespace raylm {
 namespace quant {
 
-#ifdef RAYLM_AMX
+// Whether a format's blocks decode in lookup order (below): x is packed in the same order, so that the products
+// sum the same pairs.
+template <class B>
+constexpr bool kLookupOrdered = std::is_same_v<B, Q4_0> || std::is_same_v<B, Q4_1>;
 
 // A 4-bit block's 32 weights as bfloat16 in *lookup order*: its 16 bytes broadcast to the four 128-bit lanes, lane L's
 // words shifted right by 4 L bits, so word i of lane L holds nibble L of bytes 2i, 2i+1 in its low bits, which look
@@ -27,6 +35,8 @@ namespace quant {
 // above the nibble does not matter. Two shuffles a block, where widening the nibbles took seven.
 constexpr int16_t kLookupOrder[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                       1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+#ifdef RAYLM_BF16_BLOCKS
 
 inline __m512i lookup_block(const uint8_t* qs, const float& scale, const float& offset) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -54,11 +64,11 @@ void row_halves(const uint8_t* row, int64_t nblocks, int64_t at, float* out) {
 // Per format: whether its blocks decode in lookup order; for those, where a block's nibbles start and each block's
 // scale and offset as float32, converted for a whole row at once; for the others, the block as 32 bfloat16.
 template <class B>
-struct AmxBlock;
+struct Bf16Block;
 
 template <>
-struct AmxBlock<Q4_0> {
-  static constexpr bool kLookup = true;
+struct Bf16Block<Q4_0> {
+  static constexpr bool kLookup = kLookupOrdered<Q4_0>;
   static constexpr int64_t kValues = 2;
   static void scales(const uint8_t* row, int64_t nblocks, float* scale, float* offset) {
     row_halves<Q4_0::kBytes>(row, nblocks, 0, scale);
@@ -67,8 +77,8 @@ struct AmxBlock<Q4_0> {
 };
 
 template <>
-struct AmxBlock<Q4_1> {
-  static constexpr bool kLookup = true;
+struct Bf16Block<Q4_1> {
+  static constexpr bool kLookup = kLookupOrdered<Q4_1>;
   static constexpr int64_t kValues = 4;
   static void scales(const uint8_t* row, int64_t nblocks, float* scale, float* offset) {
     row_halves<Q4_1::kBytes>(row, nblocks, 0, scale);
@@ -83,7 +93,7 @@ inline __m512i scaled_bf16(__m512 lo, __m512 hi, float scale) {
 }
 
 template <>
-struct AmxBlock<Q8_0> {
+struct Bf16Block<Q8_0> {
   static constexpr bool kLookup = false;
   static __m512i decode(const uint8_t* b) {
     const auto ints = [](const uint8_t* q) {
@@ -106,7 +116,7 @@ inline void e4m3_floats32(const uint8_t* q, __m512& lo, __m512& hi) {
 
 // As Q8_0: the E4M3 values (exact in float32) times the float32 scale, rounded to bfloat16 once.
 template <>
-struct AmxBlock<F8_E4M3> {
+struct Bf16Block<F8_E4M3> {
   static constexpr bool kLookup = false;
   static __m512i decode(const uint8_t* b) {
     __m512 lo, hi;
@@ -115,7 +125,7 @@ struct AmxBlock<F8_E4M3> {
   }
 };
 
-#endif  // RAYLM_AMX
+#endif  // RAYLM_BF16_BLOCKS
 
 }  // namespace quant
 }  // namespace raylm
