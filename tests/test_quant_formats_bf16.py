@@ -65,24 +65,21 @@ def test_format_in_bfloat16_matches_transformers(formats: dict[str, Path], name:
 
 
 @pytest.mark.usefixtures("model_parallel_of_one")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 @pytest.mark.parametrize("name", ["w4a16-group-asym", "gptq-desc_act-asym"])
-def test_no_float_copy_where_a_bf16_block_kernel_runs(formats: dict[str, Path], name: str) -> None:
-    """Planned in bfloat16, each linear keeps its blocks only where AMX or AVX512-BF16's block kernel runs (a float
-    copy beside the blocks would cost more memory than the bfloat16 weights it replaces), and that kernel is a
-    candidate of its plan; elsewhere the copy is kept only if the plan picks a float kernel for some rows."""
+def test_no_float_copy_beside_the_blocks(formats: dict[str, Path], name: str, dtype: torch.dtype) -> None:
+    """Planned in bfloat16 or float32, each linear of a checkpoint format keeps its blocks alone on every CPU (a
+    float copy beside them would hold more than the float checkpoint), its plan choosing among the block kernels
+    only, AMX's or AVX512-BF16's among them for bfloat16 where the CPU has them."""
     info = read_model_info(str(formats[name]))
-    model = load_model(formats[name], info.hf_config, dtype=torch.bfloat16, quantization=QUANTIZATION[name])
-    amx = kernels.amx_kernels_for(torch.device("cpu"), torch.bfloat16) is not None
-    bf16_dot = kernels.bf16_dot_kernels_for(torch.device("cpu"), torch.bfloat16) is not None
+    model = load_model(formats[name], info.hf_config, dtype=dtype, quantization=QUANTIZATION[name])
+    amx = kernels.amx_kernels_for(torch.device("cpu"), dtype) is not None
+    bf16_dot = kernels.bf16_dot_kernels_for(torch.device("cpu"), dtype) is not None
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert linear.gemm_plan is not None and linear.kernel_name() == "planned", "quantized layers are planned"
             assert (linear.bf16_matmul is not None) == bf16_dot and (linear.amx_matmul is not None) == amx
-            float_kernels = set(linear.gemm_plan.kernels) - BLOCK_KERNELS
-            if amx or bf16_dot:
-                assert linear.dequantized is None and not float_kernels, linear.gemm_plan
-            else:
-                assert (linear.dequantized is not None) == bool(float_kernels), linear.gemm_plan
+            assert linear.dequantized is None and set(linear.gemm_plan.kernels) <= BLOCK_KERNELS, linear.gemm_plan
 
 
 @pytest.mark.usefixtures("model_parallel_of_one")

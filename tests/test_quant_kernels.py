@@ -1,7 +1,7 @@
 """The block formats and their matmul kernels: quantize/dequantize bit for bit as the gguf package does (ggml's
 formats) and as torch.float8_e4m3fn decodes (raylm's F8_E4M3), and the CPU kernels (few rows: blocks decoded in
-registers; many rows: tiles for sgemm) and the dequantize-per-call path equal to dequantize-then-matmul, on odd
-shapes."""
+registers; many rows: panels decoded to float32) and the dequantize-per-call path equal to dequantize-then-matmul,
+on odd shapes."""
 from __future__ import annotations
 
 import gguf
@@ -21,7 +21,8 @@ from raylm.runner.layers.quantization.ggml_blocks import (
 )
 
 KERNEL_FORMATS = [*FORMATS.values(), F8_E4M3]  # ggml's and raylm's FP8 blocks
-SHAPES = [(1, 1, 32), (1, 37, 96), (3, 5, 32), (7, 129, 160), (13, 64, 288), (40, 33, 96)]  # (rows of x, N, K)
+# (rows of x, N, K): panels against one group of x's rows, pairs of them, a short last one, and a second 256-row pass
+SHAPES = [(1, 1, 32), (1, 37, 96), (3, 5, 32), (7, 129, 160), (13, 64, 288), (40, 33, 96), (300, 17, 64)]
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -48,7 +49,7 @@ def _reference(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, bias: to
 
 
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("max_direct_rows", [0, 1 << 20], ids=["tiled", "direct"])
+@pytest.mark.parametrize("max_direct_rows", [0, 1 << 20], ids=["panels", "direct"])
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
 def test_cpu_kernels_equal_dequantize_then_matmul(fmt: BlockFormat, max_direct_rows: int, m: int, n: int,
                                                   k: int) -> None:
@@ -62,13 +63,16 @@ def test_cpu_kernels_equal_dequantize_then_matmul(fmt: BlockFormat, max_direct_r
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
 
 
+@pytest.mark.parametrize("build", ["portable", "avx2"])
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)
-def test_portable_path_equals_dequantize_then_matmul(fmt: BlockFormat) -> None:
-    """The plain-loop path (CPUs without AVX2 + FMA), built here on purpose although this CPU may have AVX2: both
-    GEMM paths and the row lookup on a shape with a partial 4-row group and more blocks than one register set."""
-    ops = kernels.load(portable=True)
-    assert ops is not None and ops is not kernels.load(), "the portable quantized kernels did not build"
-    m, n, k = 7, 129, 160
+def test_narrower_builds_equal_dequantize_then_matmul(fmt: BlockFormat, build: str) -> None:
+    """The plain-loop path (CPUs without AVX2 + FMA) and the AVX2 one (8-float registers: panels against 8 rows of
+    x a register), built here on purpose although this CPU may have more: both GEMM paths and the row lookup on a
+    shape with a partial 4-row group, panels against a pair of row groups and a short one, and more blocks than one
+    register set."""
+    ops = kernels.load(portable=True) if build == "portable" else kernels.load(isa="avx2")
+    assert ops is not None and ops is not kernels.load(), f"the {build} quantized kernels did not build"
+    m, n, k = 23, 129, 160
     packed = quantize(_weight(n, k, seed=5), fmt)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
     reference = _reference(x, packed, fmt, None)
@@ -196,7 +200,7 @@ def test_f8_e4m3_blocks_hold_the_checkpoint_values() -> None:
 def test_f8_e4m3_kernels_decode_every_value_exactly(build: str, flush_denormal: bool) -> None:
     """Every kernel path of every build decodes each E4M3 value exactly, subnormals (m * 2^-9) too, also with the
     denormals-are-zero flag on: x = I makes y the weights themselves (one product, rounded once, as dequantize
-    rounds it), by the direct kernel, the tiled one and the row lookup."""
+    rounds it), by the direct kernel, the panel one and the row lookup."""
     ops = kernels.load(portable=True) if build == "portable" else kernels.load(isa=None if build == "native" else build)
     assert ops is not None, f"the {build} quantized kernels did not build"
     values, scale = _every_e4m3()

@@ -1,11 +1,12 @@
 // Matmuls on weights kept in block formats (block_formats.h: ggml's, as a GGUF file stores them, and raylm's FP8
 // one): y = x W^T with x float32 [M, K] and W [N, K] quantized along K in blocks of 32 weights, one row of blocks per
 // output feature.
-// Few rows (decode): every block is decoded in registers once and used by all rows of x; many rows (prefill): tiles
-// of W are decoded to float32 once into a buffer that stays in cache and multiplied by ATen's sgemm.
+// Few rows (decode): every block is decoded in registers once and used by all rows of x; more rows (prefill): panels
+// of W decoded to float32 in L1 against x packed in columns (float_panels.h).
 // Plain C++ for the compiler to vectorize (-O3 -march=native), with AVX2 intrinsics for the decode where present.
-// block_gemm_int8 is the few-row kernel on int8 x (int8_dot.h), block_gemm_bf16 its bfloat16 one (bf16_gemm.h) and
-// block_gemm_amx the AMX one (amx_gemm.h): GEMM plan candidates for bfloat16 activations.
+// For bfloat16 activations, GEMM plan candidates beside it: block_gemm_int8, the few-row kernel on int8 x
+// (int8_dot.h), and block_gemm_bf16 / block_gemm_amx, blocks decoded to bfloat16 for AVX512-BF16's dot products
+// (bf16_gemm.h) or AMX's tiles (amx_gemm.h).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -16,6 +17,7 @@
 
 #include "amx_gemm.h"
 #include "block_formats.h"
+#include "float_panels.h"
 #include "int8_dot.h"
 #include "bf16_gemm.h"
 
@@ -84,24 +86,6 @@ torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, int64_t 
 }
 
 template <class B>
-void gemm_tiled(const torch::Tensor& x, const uint8_t* w, int64_t n, torch::Tensor& y) {
-  const int64_t k = x.size(1), nblocks = k / kBlock;
-  // Tiles of 256 weight rows: decoded once, a tile stays in cache while sgemm reads it for every row of x, and is
-  // wide enough for sgemm's own blocking.
-  const int64_t tile = std::min<int64_t>(n, 256);
-  torch::Tensor buffer = torch::empty({tile, k}, x.options());
-  for (int64_t t0 = 0; t0 < n; t0 += tile) {
-    const int64_t rows = std::min(tile, n - t0);
-    float* dst = buffer.data_ptr<float>();
-    at::parallel_for(t0, t0 + rows, std::max<int64_t>(1, grain_rows(k) / 4), [&](int64_t n0, int64_t n1) {
-      dequantize_rows<B>(w, nblocks, dst + (n0 - t0) * k, n0, n1);
-    });
-    torch::Tensor out = y.narrow(1, t0, rows);
-    at::mm_out(out, x, buffer.narrow(0, 0, rows).t());
-  }
-}
-
-template <class B>
 torch::Tensor block_gemm_impl(const torch::Tensor& x, const torch::Tensor& w, int64_t n, int64_t max_direct_rows) {
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kBlock == 0, "in_features ", k, " is not a multiple of the ", kBlock, "-weight block");
@@ -111,7 +95,7 @@ torch::Tensor block_gemm_impl(const torch::Tensor& x, const torch::Tensor& w, in
   if (m <= max_direct_rows) {
     gemm_direct<B>(x.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, y.data_ptr<float>());
   } else {
-    gemm_tiled<B>(x, w.data_ptr<uint8_t>(), n, y);
+    quant::float_panels<B>(x.data_ptr<float>(), m, k, w.data_ptr<uint8_t>(), n, y.data_ptr<float>());
   }
   return y;
 }
@@ -142,8 +126,7 @@ void check(const torch::Tensor& x, const torch::Tensor& w) {
 }  // namespace
 
 // qtype: ggml's type number (2 = Q4_0, 3 = Q4_1, 8 = Q8_0) or raylm's (kF8E4M3 = 1024 for F8_E4M3). Batches of up
-// to max_direct_rows rows decode each block in registers for all rows; larger ones decode tiles of W to float32 for
-// sgemm.
+// to max_direct_rows rows decode each block in registers for all rows; larger ones decode panels of W to float32.
 torch::Tensor block_gemm(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
                          int64_t max_direct_rows) {
   check(x, w);

@@ -45,9 +45,9 @@ class BlockQuantMethod(QuantizeMethodBase):
     is Any to mypy: a linear or embedding layer that this method gives attributes of its own (params_dtype,
     block_kernels, ...) besides CpuGemmMixin's."""
 
-    # Whether the weight keeps no float copy where AVX512-BF16's block kernel runs it (bfloat16 activations without
-    # AMX): the checkpoint formats' choice (checkpoint_formats.py). Where AMX runs, no quantized weight keeps one.
-    blocks_only_with_bf16_dot = False
+    # Whether the layer may keep a dequantized copy of its weight for the float kernels (where its plan picks them
+    # and AMX does not run): not a checkpoint format's (checkpoint_formats.py).
+    keeps_float_copy = True
 
     def __init__(self, fmt: BlockFormat | None) -> None:
         self.fmt = fmt
@@ -125,10 +125,9 @@ class BlockQuantMethod(QuantizeMethodBase):
             # The block kernels (float32 in registers; for bfloat16 activations int8 dot products, AMX tiles or
             # AVX512-BF16 dot products where the CPU has them) are candidates of the layer's GEMM plan. Where AMX
             # runs they are the only ones: AMX came within ~10% of oneDNN's bfloat16 matmul on a copy or beat it on
-            # decoder shapes (docs/cpu-performance.md), so the weight stays in its blocks; so it does where
-            # AVX512-BF16's kernel runs a checkpoint format's (blocks_only_with_bf16_dot). Elsewhere the float
-            # kernels, faster from some tens of rows, run on a dequantized copy, made only while the plan is unknown
-            # (to time it) or picks them for some rows.
+            # decoder shapes (docs/cpu-performance.md), so the weight stays in its blocks, as a checkpoint format's
+            # always does (keeps_float_copy). Elsewhere the float kernels, faster at some rows, run on a dequantized
+            # copy, made only while the plan is unknown (to time it) or picks them for some rows.
             layer.block_matmul = lambda x, bias: kernels.block_linear(
                 x.float(), layer.weight, fmt, None if bias is None else bias.float(), ops).to(x.dtype)
             amx = kernels.amx_kernels_for(layer.weight.device, layer.params_dtype)
@@ -142,9 +141,8 @@ class BlockQuantMethod(QuantizeMethodBase):
                 layer.int8_matmul = lambda x, bias: kernels.int8_linear(x, layer.weight, fmt, bias, int8)
             copy_dtype = dequantized_dtype(layer.params_dtype)
             plan = layer.gemm_plan
-            blocks_only = amx is not None or (bf16 is not None and self.blocks_only_with_bf16_dot)
             planned_floats = plan is None or not set(plan.kernels) <= BLOCK_KERNELS
-            if not blocks_only and planned_floats and onednn_packs(copy_dtype):
+            if self.keeps_float_copy and amx is None and planned_floats and onednn_packs(copy_dtype):
                 layer.dequantized = dequantize(layer.weight.detach(), fmt).to(copy_dtype)
         if fmt is None or layer.block_matmul is not None:
             _FLOAT.process_weights_after_loading(layer)

@@ -43,12 +43,12 @@ def quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 class CheckpointQuantMethod(BlockQuantMethod):
     """BlockQuantMethod over the blocks a checkpoint's tensors were repacked into (each tensor's own format, as
-    under `gguf`), plus the format's input permutation and activation quantization. Where a bfloat16 block kernel
-    runs (AMX tiles, AVX512-BF16 dot products) its weights stay in their blocks alone: a checkpoint is shipped
-    quantized to be held at its quantized size, and a bfloat16 copy beside the blocks would hold more than the
-    bfloat16 checkpoint, for a few percent of speed (docs/quantization-formats.md)."""
+    under `gguf`), plus the format's input permutation and activation quantization. Its weights stay in their
+    blocks alone, run by the block kernels only: a checkpoint is shipped quantized to be held at its quantized size,
+    and a float copy beside the blocks (2 or 4 bytes a weight) would hold more than the float checkpoint
+    (docs/quantization-formats.md has what it costs in speed)."""
 
-    blocks_only_with_bf16_dot = True
+    keeps_float_copy = False
 
     def __init__(self, quant: CheckpointQuant) -> None:
         super().__init__(None)

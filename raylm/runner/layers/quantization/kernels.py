@@ -2,14 +2,15 @@
 once per machine like the other CPU kernels, or a dequantize-per-call path (plain torch) everywhere else.
 
 On CPU in float32 a batch of up to MAX_DIRECT_ROWS rows decodes each block of 32 weights in registers, once for all
-rows, and multiplies the integers by x directly; a larger batch decodes tiles of 256 weight rows to float32 and runs
-torch's sgemm on each. For bfloat16 activations on a CPU with AMX-BF16, `amx_linear` decodes panels of 32 weight rows
-to bfloat16 in cache and multiplies them on AMX tiles; on one with AVX512-BF16, `bf16_linear` decodes blocks to
-bfloat16 for its dot products (vdpbf16ps): candidates of the GEMM plan beside the block kernel. For bfloat16
-activations `int8_linear`, llama.cpp's scheme for few rows, is another: x quantized to int8 per block of 32 once per
-call, integer dot products against the blocks' integers (AVX512-VNNI, AVX-VNNI or AVX2; `csrc/quant/int8_dot.h`); its
-rounding is of bfloat16's order, so float32 activations keep the exact kernels. torch's own weight-only ops
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were slower than both on the CPUs measured
+rows, and multiplies the integers by x directly; a larger batch decodes panels of 16 weight rows to float32 in L1 and
+multiplies them by x packed in columns, 16 rows a register (`csrc/quant/float_panels.h`). For bfloat16 activations
+on a CPU with AMX-BF16, `amx_linear` decodes panels of 32 weight rows to bfloat16 in cache and multiplies them on AMX
+tiles; on one with AVX512-BF16, `bf16_linear` decodes blocks to bfloat16 for its dot products (vdpbf16ps):
+candidates of the GEMM plan beside the block kernel. For bfloat16 activations `int8_linear`, llama.cpp's scheme for
+few rows, is another: x quantized to int8 per block of 32 once per call, integer dot products against the blocks'
+integers (AVX512-VNNI, AVX-VNNI or AVX2; `csrc/quant/int8_dot.h`); its rounding is of bfloat16's order, so float32
+activations keep the exact kernels. torch's own weight-only ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
+were slower than both on the CPUs measured
 (scripts/bench_quant_kernels.py), so they are not used.
 
 On CUDA, where triton is installed, `triton_block_gemm` multiplies x by the blocks as they lie in device memory, each
@@ -30,8 +31,8 @@ from raylm.runner import cpu_kernels
 from raylm.runner.layers.quantization.ggml_blocks import BlockFormat, dequantize
 
 _SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "quant"
-# Batches of up to this many rows decode blocks in registers; larger ones decode tiles for sgemm. On a 2-core EPYC the
-# direct kernel ran 1.2-2x the tiled one up to 8 rows, the two met at 12-16, and tiles won from 32.
+# Batches of up to this many rows decode blocks in registers; larger ones decode panels. On a 2-core EPYC (Zen 4) the
+# direct kernel ran 1.2-2.5x panels up to 8 rows, the two met at 12, and panels won from 16 (1.2-1.5x).
 MAX_DIRECT_ROWS = 12
 
 
