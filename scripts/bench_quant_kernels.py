@@ -2,14 +2,16 @@
 weight-only ops (`_weight_int8pack_mm`: int8, one scale per output channel; `_weight_int4pack_mm_for_cpu`: 4-bit
 groups of 32 with a scale and a zero, fed float32 or bfloat16 activations), raylm's block kernels (Q8_0, Q4_1), its
 kernel on int8 activations (`int8`: bfloat16 x quantized to int8 per block, integer dot products; llama.cpp's few-row
-scheme), its AMX kernel where the CPU has AMX-BF16 (bfloat16 activations, panels of blocks decoded to bfloat16 in cache)
-and the float kernels a quantized layer's GEMM plan weighs against them (runner/layers/cpu_gemm.py): sgemm, oneDNN and
-the skinny kernel on a dequantized copy, float32 for float32 activations, bfloat16 for bfloat16 ones (`dtype: auto` for
-a quantized model on a CPU with bfloat16 dot products), where the block kernel takes x upcast and rounds its result.
+scheme), its AMX kernel where the CPU has AMX-BF16 (bfloat16 activations, panels of blocks decoded to bfloat16 in
+cache), its AVX512-BF16 one where the build has that (`dot`: blocks decoded to bfloat16 for vdpbf16ps) and the float
+kernels a quantized layer's GEMM plan weighs against them (runner/layers/cpu_gemm.py): sgemm, oneDNN and the skinny
+kernel on a dequantized copy, float32 for float32 activations, bfloat16 for bfloat16 ones (`dtype: auto` for a
+quantized model on a CPU with bfloat16 dot products), where the block kernel takes x upcast and rounds its result.
 A summary follows: per batch, each quantized layer against float32 (best of sgemm, oneDNN, skinny): the block kernel
 alone (raylm before its plan took quantized layers), planned in float32 (the faster of the block kernel and float32's
-kernels on a float32 copy) and planned in bfloat16 (the fastest of the block kernel, the AMX kernel and bfloat16's on
-a bfloat16 copy), without and with the int8 kernel.
+kernels on a float32 copy) and planned in bfloat16 (the fastest of the block kernel, the AMX and AVX512-BF16 kernels
+and bfloat16's on a bfloat16 copy), without and with the int8 kernel, and the block kernels alone in bfloat16 (what a
+checkpoint format's plan weighs: no copy).
 
 Each kernel cycles through enough copies of its weights to overflow the CPU caches (as a decode step streams every
 layer's weights from memory), the kernels' calls interleave, and each figure is the median of the rounds, or with
@@ -80,7 +82,7 @@ def kernels_for_shape(n: int, k: int, copies: int,
     skinny_bf16 = [ops.pack_skinny(w) for w in bf16]
     # Each block kernel reads copies of its own: one run after another on the same copy would find it in cache.
     q8, q4 = {}, {}
-    for kernel in ("f32", "bf16", "int8", "amx"):
+    for kernel in ("f32", "bf16", "int8", "amx", "dot"):
         q8[kernel], q4[kernel] = [quantize(w, Q8_0) for w in floats], [quantize(w, Q4_1) for w in floats]
     scales = [w.abs().amax(1) / 127 for w in floats]
     int8 = [torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8) for w, s in zip(floats, scales)]
@@ -112,11 +114,15 @@ def kernels_for_shape(n: int, k: int, copies: int,
     if amx is not None:  # AMX tiles over panels decoded to bfloat16 (csrc/quant/amx_gemm.h)
         calls["bf16 amx Q8_0"] = lambda x, xb, i: kernels.amx_linear(xb, q8["amx"][i], Q8_0, None, amx)
         calls["bf16 amx Q4_1"] = lambda x, xb, i: kernels.amx_linear(xb, q4["amx"][i], Q4_1, None, amx)
+    dot = kernels.bf16_dot_kernels_for(torch.device("cpu"), torch.bfloat16)
+    if dot is not None:  # AVX512-BF16 dot products on blocks decoded to bfloat16 (csrc/quant/bf16_gemm.h)
+        calls["bf16 dot Q8_0"] = lambda x, xb, i: kernels.bf16_linear(xb, q8["dot"][i], Q8_0, None, dot)
+        calls["bf16 dot Q4_1"] = lambda x, xb, i: kernels.bf16_linear(xb, q4["dot"][i], Q4_1, None, dot)
     if not with_torch:
         calls = {name: call for name, call in calls.items() if "torch" not in name}
     q8_0 = dequantize(q8["f32"][0], Q8_0)
     references = {"torch int8": int8[0].float() * scales[0][:, None], "raylm Q8_0": q8_0, "bf16 raylm Q8_0": q8_0,
-                  "bf16 amx Q8_0": q8_0, "bf16 int8 Q8_0": q8_0}
+                  "bf16 amx Q8_0": q8_0, "bf16 int8 Q8_0": q8_0, "bf16 dot Q8_0": q8_0}
     x = torch.randn(3, k)
     for name, call in calls.items():
         tolerance = 5e-2 if "bf16" in name else 1e-3
@@ -161,11 +167,13 @@ def bench(shapes: list[tuple[str, int, int, int]], rows: list[int], rounds: int,
             for method, fmt in (("int8", "Q8_0"), ("int4", "Q8_0" if layer == "lm_head" else "Q4_1")):
                 medians[f"{method} blocks"] = medians[f"raylm {fmt}"]
                 medians[f"{method} planned"] = min(medians[f"raylm {fmt}"], medians["float32 best"])
-                medians[f"{method} planned bf16 no int8"] = min(medians[f"bf16 raylm {fmt}"], bf16_best,
-                                                                medians.get(f"bf16 amx {fmt}", float("inf")))
+                blocks_bf16 = min(medians[f"bf16 raylm {fmt}"], medians.get(f"bf16 amx {fmt}", float("inf")),
+                                  medians.get(f"bf16 dot {fmt}", float("inf")))
+                medians[f"{method} planned bf16 no int8"] = min(blocks_bf16, bf16_best)
                 medians[f"{method} int8"] = medians[f"bf16 int8 {fmt}"]
                 medians[f"{method} planned bf16"] = min(medians[f"{method} planned bf16 no int8"],
                                                         medians[f"{method} int8"])
+                medians[f"{method} blocks bf16"] = min(blocks_bf16, medians[f"{method} int8"])
             summed.setdefault(m, {name: 0.0 for name in medians})
             for name, value in medians.items():
                 summed[m][name] += value * count
@@ -179,13 +187,15 @@ def bench(shapes: list[tuple[str, int, int, int]], rows: list[int], rounds: int,
 def summary(summed: dict[int, dict[str, float]]) -> None:
     """Per batch, one forward's linears summed (each shape times its layers in the model): float32's best kernel,
     and each method's speed against it (int8: Q8_0; int4 and the default GGUF: Q4_1, the LM head Q8_0): the block
-    kernel alone, planned in float32, the int8-activation kernel alone (bfloat16 x) and planned in bfloat16 without and
-    with it."""
+    kernel alone, planned in float32, the int8-activation kernel alone (bfloat16 x), planned in bfloat16 without and
+    with it, and the block kernels alone in bfloat16."""
     columns = ["int8 blocks", "int4 blocks", "int8 planned", "int4 planned", "int8 int8", "int4 int8",
-               "int8 planned bf16 no int8", "int4 planned bf16 no int8", "int8 planned bf16", "int4 planned bf16"]
+               "int8 planned bf16 no int8", "int4 planned bf16 no int8", "int8 planned bf16", "int4 planned bf16",
+               "int8 blocks bf16", "int4 blocks bf16"]
     print("\n| rows | float32 best (ms) | int8 blocks | int4 blocks | int8 planned, float32 | int4 planned, float32 "
           "| int8 on int8 x | int4 on int8 x | int8 planned, bfloat16, without int8 x "
-          "| int4 planned, bfloat16, without int8 x | int8 planned, bfloat16 | int4 planned, bfloat16 |")
+          "| int4 planned, bfloat16, without int8 x | int8 planned, bfloat16 | int4 planned, bfloat16 "
+          "| int8 blocks only, bfloat16 | int4 blocks only, bfloat16 |")
     print("|" + "---|" * (2 + len(columns)))
     for m, t in summed.items():
         best = t["float32 best"]
