@@ -4,9 +4,10 @@
 // where a float kernel on a dequantized copy reads 2 or 4. Two ways, by the rows of x:
 // - few rows (direct_rows): each weight row's blocks decoded in registers and multiplied along k by every row of x
 //   (lanes = inputs), each sum reduced across its lanes once at the row's end. Nothing is written but y.
-// - more rows (panel_rows): 16 weight rows decoded into a buffer that stays in L1, x packed once per call as pairs
-//   of inputs of 16 rows a register (transposed), and each dot product takes 16 rows of x against one weight row's
-//   pair, broadcast from the buffer (lanes = rows of x): 16 accumulators for 16 outputs, transposed back once.
+// - more rows (panel_rows): 16 weight rows decoded into a buffer that stays in L1, x packed once per 256-row pass as
+//   pairs of inputs of 16 rows a register (transposed), and each dot product takes 16 rows of x against one weight
+//   row's pair, broadcast from the buffer (lanes = rows of x; one broadcast feeds two groups of rows where there are
+//   two): 16 accumulators, transposed back to y once per group of rows.
 // x is packed with each block's inputs in the order its weights decode (lookup order for 4-bit blocks), so that the
 // products sum the same pairs. Builds without AVX512-BF16 have no such kernel (`bf16_dot_available`).
 #pragma once
@@ -64,17 +65,29 @@ void direct_rows(const uint16_t* x, int64_t k, const uint8_t* w, int64_t n0, int
   for (int64_t o = n0; o < n1; ++o) {
     const uint8_t* row = w + o * row_bytes;
     if constexpr (Bf16Block<B>::kLookup) Bf16Block<B>::scales(row, nblocks, scales, offsets);
-    __m512 acc[R];
-    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < nblocks; ++blk) {
-      const __m512bh weights = (__m512bh)decode_bf16<B>(row, blk, scales, offsets);
+    // Two accumulators a row, for even and odd blocks: at one or two rows a single chain of dot products would wait
+    // on each one's latency.
+    __m512 even[R], odd[R];
+    for (int64_t r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    int64_t blk = 0;
+    for (; blk + 1 < nblocks; blk += 2) {
+      const __m512bh first = (__m512bh)decode_bf16<B>(row, blk, scales, offsets);
+      const __m512bh second = (__m512bh)decode_bf16<B>(row, blk + 1, scales, offsets);
       for (int64_t r = 0; r < R; ++r) {
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(x + r * k + blk * kBlock), weights);
+        const uint16_t* xs = x + r * k + blk * kBlock;
+        even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_loadu_si512(xs), first);
+        odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_loadu_si512(xs + kBlock), second);
+      }
+    }
+    if (blk < nblocks) {
+      const __m512bh last = (__m512bh)decode_bf16<B>(row, blk, scales, offsets);
+      for (int64_t r = 0; r < R; ++r) {
+        even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_loadu_si512(x + r * k + blk * kBlock), last);
       }
     }
     const float add = bias != nullptr ? bias[o] : 0.0f;
     for (int64_t r = 0; r < R; ++r) {
-      y[r * n + o] = c10::BFloat16(_mm512_reduce_add_ps(acc[r]) + add).x;
+      y[r * n + o] = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + add).x;
     }
   }
 }
