@@ -11,6 +11,7 @@ import torch
 
 from raylm.runner import cpu_kernels
 from raylm.runner.layers.quantization import kernels
+from raylm.runner.layers.quantization.checkpoint_formats import reference_quantize_activations
 from raylm.runner.layers.quantization.ggml_blocks import (
     F8_E4M3,
     FORMATS,
@@ -150,6 +151,27 @@ def test_bf16_dot_needs_its_build_and_bfloat16() -> None:
             build.block_gemm_bf16(torch.zeros(1, 32).bfloat16(), quantize(torch.ones(1, 32), F8_E4M3),
                                   F8_E4M3.ggml_type, 1, None, 8)
     assert kernels.bf16_dot_kernels_for(torch.device("cpu"), torch.float32) is None
+
+
+@pytest.mark.parametrize("build", ["native", "portable", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_activation_quantization_kernel_equals_torch_ops(kind: str, dtype: torch.dtype, build: str) -> None:
+    """W8A8 / FP8 activations quantized and dequantized per token in one kernel call, bit for bit as the torch ops
+    compressed-tensors runs (in x's dtype): rows of every magnitude, a zero row, E4M3 subnormals and ties, in this
+    CPU's build and the narrower ones."""
+    ops = kernels.load(portable=True) if build == "portable" else kernels.load(isa=None if build == "native" else build)
+    assert ops is not None
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 96, generator=generator) * torch.logspace(-6, 4, 40).unsqueeze(1)
+    x[3] = 0  # a zero row: scale epsilon
+    x[5, :8] = torch.tensor([448.0, -448.0, 1e-6, -3e-5, 2.0**-10, 3 * 2.0**-10, 0.5 + 2.0**-5, 300.0])
+    x = x.to(dtype)
+    ours = ops.quantize_activations(x, {"int8": 0, "fp8": 1}[kind])
+    reference = reference_quantize_activations(x, kind)
+    assert ours.dtype == dtype and torch.equal(ours, reference), (ours - reference).abs().max()
+    batched = ops.quantize_activations(x.reshape(4, 10, 96), {"int8": 0, "fp8": 1}[kind])
+    assert torch.equal(batched.reshape(40, 96), reference)
 
 
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS, ids=lambda f: f.name)

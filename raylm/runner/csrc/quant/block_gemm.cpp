@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "activation_quant.h"
 #include "amx_gemm.h"
 #include "block_formats.h"
 #include "float_panels.h"
@@ -291,5 +292,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("max_direct_rows") = raylm::quant::kMaxDirectRowsBf16, kNoGil);
   m.def("bf16_dot_available", &raylm::quant::bf16_dot_available);
+  m.def("quantize_activations", &raylm::quant::quantize_activations, kNoGil);
   m.def("stack_linear_address", [] { return reinterpret_cast<int64_t>(&raylm::stack_linear); });
 }

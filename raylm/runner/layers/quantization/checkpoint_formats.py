@@ -21,6 +21,7 @@ from torch import nn
 
 from raylm.configs.quant_formats import CheckpointQuant
 from raylm.runner.layers.linear import LinearBase, WeightLoader
+from raylm.runner.layers.quantization import kernels
 from raylm.runner.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from raylm.runner.layers.quantization.block_quant import BlockQuantMethod
 from raylm.runner.layers.quantization.checkpoint_repack import RepackedTensor
@@ -28,10 +29,20 @@ from raylm.runner.layers.quantization.ggml_blocks import QuantizedTensor
 
 # q_max - q_min of each activation type over 2 (compressed-tensors' calculate_qparams for symmetric args).
 _HALF_RANGE = {"int8": 127.5, "fp8": 448.0}
+_KINDS = {"int8": 0, "fp8": 1}  # the kernel's numbers
 
 
 def quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """x quantized per token (last dimension) to `kind` and back, as compressed-tensors' dynamic token strategy does."""
+    """x quantized per token (last dimension) to `kind` and back, as compressed-tensors' dynamic token strategy does:
+    in one call of the CPU kernels (`csrc/quant/activation_quant.h`, bit for bit these torch ops) where they run."""
+    ops = kernels.kernels_for(x.device, torch.float32)
+    if ops is not None and x.dtype in (torch.float32, torch.bfloat16):
+        return ops.quantize_activations(x, _KINDS[kind])
+    return reference_quantize_activations(x, kind)
+
+
+def reference_quantize_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """quantize_activations in torch ops, in x's dtype: on other devices and dtypes, and the kernel's reference."""
     scale = x.abs().amax(dim=-1, keepdim=True) / _HALF_RANGE[kind]
     scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
     if kind == "int8":
