@@ -153,6 +153,21 @@ def test_bf16_dot_needs_its_build_and_bfloat16() -> None:
     assert kernels.bf16_dot_kernels_for(torch.device("cpu"), torch.float32) is None
 
 
+def test_bf16_kernels_refuse_weights_that_do_not_fit() -> None:
+    """A weight of another format or width than the call says, or a bias of the wrong length, is refused by name
+    before any product."""
+    ops = kernels.bf16_dot_kernels_for(torch.device("cpu"), torch.bfloat16)
+    if ops is None:
+        pytest.skip("no AVX512-BF16 in this build")
+    packed, x = quantize(torch.randn(4, 64), FORMATS["Q4_1"]), torch.zeros(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="do not hold 64 weights of ggml type 8"):
+        ops.block_gemm_bf16(x, packed, 8, 4)
+    with pytest.raises(RuntimeError, match="do not hold 32 weights"):
+        ops.block_gemm_bf16(x[:, :32].contiguous(), packed, 3, 4)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32 tensor of 4 values"):
+        ops.block_gemm_bf16(x, packed, 3, 4, torch.zeros(3))
+
+
 @pytest.mark.parametrize("build", ["native", "portable", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

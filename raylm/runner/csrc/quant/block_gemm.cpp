@@ -164,39 +164,51 @@ torch::Tensor block_gemm_int8(const torch::Tensor& x, const torch::Tensor& w, in
   return y.to(x.scalar_type());
 }
 
-// y = x W^T (+ bias) on AMX tiles (amx_gemm.h): x bfloat16 [m, k], bias float32 [n] or None, y bfloat16 [m, n].
-torch::Tensor block_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
+// The bytes of one block of ggml type `qtype` (raylm's for F8_E4M3).
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case 2: return Q4_0::kBytes;
+    case 3: return Q4_1::kBytes;
+    case 8: return Q8_0::kBytes;
+    case kF8E4M3: return F8_E4M3::kBytes;
+  }
+  TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
+}
+
+// What the bfloat16 kernels take: x bfloat16 [m, k] of whole blocks, w n rows of qtype's blocks over k, bias float32
+// [n] or None. Returns the bias's data (nullptr for None).
+const float* check_bf16_call(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
                              const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(quant::amx_available(), "this build or CPU has no AMX-BF16 tiles (check amx_available() first)");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous 2-D bfloat16 CPU tensor");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
                   w.size(0) == n,
               "the weight must be a contiguous 2-D uint8 CPU tensor of ", n, " rows of blocks");
-  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t k = x.size(1);
   TORCH_CHECK(k % kBlock == 0, "in_features ", k, " is not a multiple of the ", kBlock, "-weight block");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
-                "bias must be a contiguous float32 tensor of ", n, " values");
-    b = bias->data_ptr<float>();
-  }
-  torch::Tensor y = torch::empty({m, n}, x.options());
+  TORCH_CHECK(w.size(1) == k / kBlock * block_bytes(qtype), "weight rows do not hold ", k, " weights of ggml type ",
+              qtype);
+  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n),
+              "bias must be a contiguous float32 tensor of ", n, " values");
+  return bias ? bias->data_ptr<float>() : nullptr;
+}
+
+// y = x W^T (+ bias) on AMX tiles (amx_gemm.h): x bfloat16 [m, k], bias float32 [n] or None, y bfloat16 [m, n].
+torch::Tensor block_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
+                             const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(quant::amx_available(), "this build or CPU has no AMX-BF16 tiles (check amx_available() first)");
+  const float* b = check_bf16_call(x, w, qtype, n, bias);
+  torch::Tensor y = torch::empty({x.size(0), n}, x.options());
 #ifdef RAYLM_AMX
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* ws = w.data_ptr<uint8_t>();
-  const int64_t row_bytes = w.size(1);
+  const int64_t m = x.size(0), k = x.size(1);
   switch (qtype) {
-    case 2: TORCH_CHECK(row_bytes == k / kBlock * Q4_0::kBytes, "weight rows do not hold ", k, " Q4_0 weights");
-            quant::amx_gemm<Q4_0>(xs, m, k, ws, n, b, ys); return y;
-    case 3: TORCH_CHECK(row_bytes == k / kBlock * Q4_1::kBytes, "weight rows do not hold ", k, " Q4_1 weights");
-            quant::amx_gemm<Q4_1>(xs, m, k, ws, n, b, ys); return y;
-    case 8: TORCH_CHECK(row_bytes == k / kBlock * Q8_0::kBytes, "weight rows do not hold ", k, " Q8_0 weights");
-            quant::amx_gemm<Q8_0>(xs, m, k, ws, n, b, ys); return y;
-    case kF8E4M3: TORCH_CHECK(row_bytes == k / kBlock * F8_E4M3::kBytes, "weight rows do not hold ", k,
-                              " F8_E4M3 weights");
-            quant::amx_gemm<F8_E4M3>(xs, m, k, ws, n, b, ys); return y;
+    case 2: quant::amx_gemm<Q4_0>(xs, m, k, ws, n, b, ys); return y;
+    case 3: quant::amx_gemm<Q4_1>(xs, m, k, ws, n, b, ys); return y;
+    case 8: quant::amx_gemm<Q8_0>(xs, m, k, ws, n, b, ys); return y;
+    case kF8E4M3: quant::amx_gemm<F8_E4M3>(xs, m, k, ws, n, b, ys); return y;
   }
 #endif
   TORCH_CHECK(false, "ggml type ", qtype, " has no AMX kernel");
@@ -208,30 +220,18 @@ torch::Tensor block_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, int
 torch::Tensor block_gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype, int64_t n,
                               const c10::optional<torch::Tensor>& bias, int64_t max_direct_rows) {
   TORCH_CHECK(quant::bf16_dot_available(), "this build has no AVX512-BF16 dot products (check bf16_dot_available())");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "x must be a contiguous 2-D bfloat16 CPU tensor");
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() &&
-                  w.size(0) == n,
-              "the weight must be a contiguous 2-D uint8 CPU tensor of ", n, " rows of blocks");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kBlock == 0, "in_features ", k, " is not a multiple of the ", kBlock, "-weight block");
-  TORCH_CHECK(!bias || (bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n),
-              "bias must be a contiguous float32 tensor of ", n, " values");
-  torch::Tensor y = torch::empty({m, n}, x.options());
+  const float* b = check_bf16_call(x, w, qtype, n, bias);
+  torch::Tensor y = torch::empty({x.size(0), n}, x.options());
 #ifdef RAYLM_BF16_BLOCKS
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint8_t* ws = w.data_ptr<uint8_t>();
-  const auto rows_hold = [&](int64_t bytes, const char* name) {
-    TORCH_CHECK(w.size(1) == k / kBlock * bytes, "weight rows do not hold ", k, " ", name, " weights");
-  };
+  const int64_t m = x.size(0), k = x.size(1), most = max_direct_rows;
   switch (qtype) {
-    case 2: rows_hold(Q4_0::kBytes, "Q4_0"); quant::bf16_gemm<Q4_0>(xs, m, k, ws, n, b, ys, max_direct_rows); return y;
-    case 3: rows_hold(Q4_1::kBytes, "Q4_1"); quant::bf16_gemm<Q4_1>(xs, m, k, ws, n, b, ys, max_direct_rows); return y;
-    case 8: rows_hold(Q8_0::kBytes, "Q8_0"); quant::bf16_gemm<Q8_0>(xs, m, k, ws, n, b, ys, max_direct_rows); return y;
-    case kF8E4M3: rows_hold(F8_E4M3::kBytes, "F8_E4M3");
-                  quant::bf16_gemm<F8_E4M3>(xs, m, k, ws, n, b, ys, max_direct_rows); return y;
+    case 2: quant::bf16_gemm<Q4_0>(xs, m, k, ws, n, b, ys, most); return y;
+    case 3: quant::bf16_gemm<Q4_1>(xs, m, k, ws, n, b, ys, most); return y;
+    case 8: quant::bf16_gemm<Q8_0>(xs, m, k, ws, n, b, ys, most); return y;
+    case kF8E4M3: quant::bf16_gemm<F8_E4M3>(xs, m, k, ws, n, b, ys, most); return y;
   }
 #endif
   TORCH_CHECK(false, "ggml type ", qtype, " has no kernel");
