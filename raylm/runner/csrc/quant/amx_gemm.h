@@ -1,6 +1,6 @@
 // y = x W^T for bfloat16 x [M, K] and W [N, K] in blocks (block_formats.h), on AMX tiles: each panel of 32 weight
-// rows is decoded once to bfloat16 (bf16_blocks.h) into a buffer that stays in L1/L2, then multiplied by every row of x
-// with AMX's bfloat16 tile products (float32 sums). It reads the blocks (0.56-1.13 bytes a weight) instead of a
+// rows is decoded once to bfloat16 (bf16_blocks.h) into a buffer that stays in L1/L2, then multiplied by every row of
+// x with AMX's bfloat16 tile products (float32 sums). It reads the blocks (0.56-1.13 bytes a weight) instead of a
 // bfloat16 copy (2 bytes); the GEMM plan times it against oneDNN on that copy per shape and batch
 // (docs/cpu-performance.md has the figures).
 //

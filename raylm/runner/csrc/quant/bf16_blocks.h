@@ -1,5 +1,5 @@
 // Each block format decoded to bfloat16, for the kernels that multiply bfloat16 weights (amx_gemm.h on AMX tiles,
-// panel_gemm.h by AVX512-BF16's dot products): 4-bit blocks by a table lookup, byte-a-weight blocks (Q8_0, F8_E4M3)
+// bf16_gemm.h by AVX512-BF16's dot products): 4-bit blocks by a table lookup, byte-a-weight blocks (Q8_0, F8_E4M3)
 // widened to float32, scaled and rounded to bfloat16 once. RAYLM_BF16_BLOCKS is defined where the compiler targets
 // AVX512-BF16, RAYLM_AMX where it targets AMX-BF16 too (-march=native on a CPU with them).
 #pragma once

@@ -164,13 +164,14 @@ void panel_rows(const uint32_t* packed, int64_t m, int64_t k, const uint8_t* w, 
   const int64_t nblocks = k / kBlock, pairs = k / 2, row_bytes = nblocks * B::kBytes;
   const int64_t outputs = std::min(kGroup, n - n0);
   for (int64_t o = 0; o < kGroup; ++o) {
-    const uint8_t* row = w + (n0 + o) * row_bytes;
-    if constexpr (Bf16Block<B>::kLookup) {
-      if (o < outputs) Bf16Block<B>::scales(row, nblocks, scales, scales + nblocks);
+    if (o >= outputs) {  // past the last weight row: zeros
+      std::fill(panel + o * k, panel + (o + 1) * k, uint16_t{0});
+      continue;
     }
+    const uint8_t* row = w + (n0 + o) * row_bytes;
+    if constexpr (Bf16Block<B>::kLookup) Bf16Block<B>::scales(row, nblocks, scales, scales + nblocks);
     for (int64_t blk = 0; blk < nblocks; ++blk) {
-      _mm512_storeu_si512(panel + o * k + blk * kBlock, o < outputs ? decode_bf16<B>(row, blk, scales, scales + nblocks)
-                                                                    : _mm512_setzero_si512());
+      _mm512_storeu_si512(panel + o * k + blk * kBlock, decode_bf16<B>(row, blk, scales, scales + nblocks));
     }
   }
   const auto* words = reinterpret_cast<const uint32_t*>(panel);

@@ -10,8 +10,7 @@ candidates of the GEMM plan beside the block kernel. For bfloat16 activations `i
 few rows, is another: x quantized to int8 per block of 32 once per call, integer dot products against the blocks'
 integers (AVX512-VNNI, AVX-VNNI or AVX2; `csrc/quant/int8_dot.h`); its rounding is of bfloat16's order, so float32
 activations keep the exact kernels. torch's own weight-only ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`)
-were slower than both on the CPUs measured
-(scripts/bench_quant_kernels.py), so they are not used.
+were slower than both on the CPUs measured (scripts/bench_quant_kernels.py), so they are not used.
 
 On CUDA, where triton is installed, `triton_block_gemm` multiplies x by the blocks as they lie in device memory, each
 tile of W decoded in registers (float32, bfloat16 and float16 x). The dequantize-per-call path (CUDA without triton,
