@@ -161,8 +161,15 @@ def test_unknown_model_is_404_naming_the_served_ones(base_url: str) -> None:
 
 
 def test_metrics_are_labelled_by_model(base_url: str) -> None:
+    """/metrics merges one replica's series per model (whichever Serve routes the call to), so every Llama replica
+    has generated before the check: one request could reach one replica and the metrics call the other."""
     complete(base_url, "qwen")
-    complete(base_url, "llama")
+    llama_replicas = set()
+    for _ in range(32):  # Serve's router picks between the two at random
+        llama_replicas.add(complete(base_url, "llama")[1])
+        if len(llama_replicas) == 2:
+            break
+    assert len(llama_replicas) == 2, llama_replicas
     with urllib.request.urlopen(base_url + "/metrics", timeout=60) as response:
         families = {family.name: family for family in text_string_to_metric_families(response.read().decode())}
     tokens = families["vllm:generation_tokens"].samples

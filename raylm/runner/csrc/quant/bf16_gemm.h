@@ -135,7 +135,7 @@ inline std::vector<uint32_t> pack_pairs(const uint16_t* slots, int64_t m, int64_
   return packed;
 }
 
-// G groups of x's rows (16 rows each, packed_pairs) against 16 / G decoded weight rows (`words`: k / 2 pair words
+// G groups of x's rows (16 rows each, pack_pairs) against 16 / G decoded weight rows (`words`: k / 2 pair words
 // each), into sums[group][output][row]: 16 accumulators, and each broadcast weight pair feeds G products.
 template <int64_t G>
 inline void group_products(const uint32_t* words, int64_t pairs, const uint32_t* xg, float* sums) {
